@@ -1,0 +1,63 @@
+"""Fixed-size chunk building (TetriInfer section 3.3).
+
+Prompt tokens of several requests are sliced and merged, in the scheduler's order, into chunks of
+exactly ``chunk_size`` tokens; the last chunk is padded. Each request keeps a pointer to its last
+prefilled token (``num_computed_tokens``), so a request may span several chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ChunkSlice:
+    request_id: str
+    start: int  # first token position of the slice in the request
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Invariant: ``sum(s.num_tokens for s in slices) + num_padding == chunk_size`` (when padded)."""
+
+    slices: tuple[ChunkSlice, ...]
+    chunk_size: int
+    num_padding: int
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.slices)
+
+
+def build_chunk(
+    candidates: Iterable[tuple[str, int, int]],
+    chunk_size: int,
+    admit: Callable[[str, int, int], int] | None = None,
+    pad: bool = True,
+) -> Chunk:
+    """Fill one chunk from ``candidates`` = (request_id, start, num_remaining) in priority order.
+
+    ``admit(request_id, start, n)`` may shrink a slice (e.g. to the KV blocks available) by returning
+    how many of the ``n`` tokens it accepts; returning 0 stops filling (order is preserved: a later
+    request never overtakes an earlier one that could not get memory).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    budget = chunk_size
+    slices: list[ChunkSlice] = []
+    for request_id, start, remaining in candidates:
+        if budget == 0:
+            break
+        if remaining <= 0:
+            continue
+        n = min(budget, remaining)
+        if admit is not None:
+            n = min(n, admit(request_id, start, n))
+            if n <= 0:
+                break
+        slices.append(ChunkSlice(request_id, start, n))
+        budget -= n
+    num_padding = budget if (pad and slices) else 0
+    return Chunk(tuple(slices), chunk_size, num_padding)

@@ -1,0 +1,82 @@
+"""The contract between a scheduler and whatever executes its decisions.
+
+A scheduler returns a ``SchedulerOutput`` (plain, immutable value); an executor (the real model runner
+or the simulator's cost model) returns a ``StepResult``. Neither side reaches into the other's state.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tetriinfer.core.sampling_params import SamplingParams
+
+
+class StepKind(enum.Enum):
+    IDLE = "idle"
+    PREFILL = "prefill"  # a fixed-size chunk of prompt tokens (TetriInfer) or whole prompts (vLLM)
+    DECODE = "decode"  # one token for each running request
+    MIXED = "mixed"  # decodes + prefill chunks under one token budget (Sarathi-Serve)
+
+
+@dataclass(frozen=True)
+class ScheduledSegment:
+    """Compute K/V (and hidden states) for positions ``[start, start + len(token_ids))`` of one request.
+
+    ``block_table`` covers at least ``start + len(token_ids)`` positions. When ``sample`` is true the
+    executor samples one token from the last position's logits.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # outputs already generated (for min_tokens)
+    eos_token_id: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's work. ``num_padding_tokens`` pads a prefill chunk up to the fixed chunk size.
+
+    ``finished_request_ids`` lists requests that ended since the previous output, so the executor can
+    drop per-request state (e.g. sampling generators).
+    """
+
+    step_id: int
+    kind: StepKind
+    segments: tuple[ScheduledSegment, ...] = ()
+    num_padding_tokens: int = 0
+    preempted_request_ids: tuple[str, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.segments)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.segments
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the executor computed for one ``SchedulerOutput``.
+
+    ``sampled_token_ids`` has one entry per segment with ``sample=True``.
+    """
+
+    step_id: int
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    elapsed_s: float = 0.0

@@ -1,0 +1,91 @@
+"""Paged attention over block tables, built on ``scaled_dot_product_attention``.
+
+KV cache layout per layer: ``k_cache``/``v_cache`` of shape [num_slots, num_kv_heads, head_dim] where
+``num_slots = num_blocks * block_size`` and token ``t`` of a request with block table ``bt`` lives in
+slot ``bt[t // block_size] * block_size + t % block_size``.
+
+A step's flattened token batch is [T] (prefill segments back to back, then padding; or one token per
+decoding request). ``AttentionMetadata`` says where each token's K/V goes and what each query may see.
+Padding tokens write nowhere and attend to nothing (their outputs are zeros and never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegmentMeta:
+    q_start: int  # row of the segment's first token in the flat batch
+    q_len: int
+    ctx_start: int  # position of the first new token in the request (= cached prefix length)
+    # Slots of positions [0, ctx_start + q_len) when ctx_start > 0 (else None: attend to fresh K/V only).
+    ctx_slots: torch.Tensor | None
+    # [q_len, ctx_len] bool, True = may attend; None when ctx_start == 0 (plain causal).
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    num_real_tokens: int  # rows [0, num_real_tokens) are real; the rest is chunk padding
+    slot_mapping: torch.Tensor  # [num_real_tokens] int64: where each real token's K/V is written
+    prefill_segments: list[PrefillSegmentMeta]
+    # Single-token segments with a cached prefix (decodes), attended as one padded batch:
+    # decode_rows [B] rows in the flat batch, decode_slots [B, L] slots of each context (padded),
+    # decode_mask [B, 1, 1, L] bool validity. None when the step has no decodes.
+    decode_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    decode_rows_contiguous: bool = False  # rows are exactly [0, B): write back with a slice
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    # q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]
+    h, hkv = q.shape[1], k.shape[1]
+    if h != hkv:
+        rep = h // hkv
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [T, H, D]
+    n = meta.num_real_tokens
+    if n:
+        k_cache.index_copy_(0, meta.slot_mapping, k[:n])
+        v_cache.index_copy_(0, meta.slot_mapping, v[:n])
+    out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
+    if meta.decode_rows is not None:
+        assert meta.decode_slots is not None
+        b = meta.decode_slots.shape[0]
+        kc = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vc = v_cache[meta.decode_slots].transpose(1, 2)
+        if meta.decode_rows_contiguous:
+            qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
+            out[:b] = _sdpa(qd, kc, vc, meta.decode_mask, causal=False).squeeze(2)
+        else:
+            qd = q.index_select(0, meta.decode_rows).unsqueeze(2)
+            out.index_copy_(0, meta.decode_rows, _sdpa(qd, kc, vc, meta.decode_mask, causal=False).squeeze(2))
+    for seg in meta.prefill_segments:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if seg.ctx_slots is None:
+            ks = k[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(qs, ks, vs, None, causal=True)
+        else:
+            ks = k_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx_len, D]
+            vs = v_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(qs, ks, vs, seg.mask, causal=False)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out

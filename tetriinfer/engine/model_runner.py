@@ -1,0 +1,122 @@
+"""Executes a ``SchedulerOutput`` on a model: builds the flat token batch and attention metadata,
+runs one forward pass, samples, and returns a ``StepResult``.
+
+The runner owns the model, the KV tensors and the sampler; it never decides what to run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tetriinfer.core.step import SchedulerOutput, StepResult
+from tetriinfer.engine.attention import AttentionMetadata, PrefillSegmentMeta
+from tetriinfer.engine.kv_cache import KVCacheTensors
+from tetriinfer.engine.model_config import ModelConfig
+from tetriinfer.engine.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: ModelConfig,
+        kv: KVCacheTensors,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.kv = kv
+        self.device = torch.device(device)
+        self.sampler = Sampler(device=self.device, seed=seed)
+        self._kv_layers = kv.layers()
+        self.last_logits: torch.Tensor | None = None  # [N, V] of the last step (tests, logprobs checks)
+
+    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.kv.block_size
+        return block_table[positions // bs] * bs + positions % bs
+
+    def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """-> input_ids [T], positions [T], metadata, rows to sample (indices into the flat batch).
+
+        Segments of one token with a cached prefix (decodes, in DECODE or MIXED steps) are attended as
+        one padded batch; every other segment is a prefill segment attended on its own.
+        """
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        segs_meta: list[PrefillSegmentMeta] = []
+        dec_rows: list[int] = []
+        dec_tables: list[torch.Tensor] = []
+        dec_lens: list[int] = []
+        row = 0
+        for seg in out.segments:
+            n = seg.num_tokens
+            bt = torch.tensor(seg.block_table, dtype=torch.long)
+            p = torch.arange(seg.start, seg.end, dtype=torch.long)
+            ids.extend(seg.token_ids)
+            pos.append(p)
+            slots.append(self._slots(bt, p))
+            if seg.sample:
+                sample_rows.append(row + n - 1)
+            if n == 1 and seg.start > 0:
+                dec_rows.append(row)
+                dec_tables.append(bt)
+                dec_lens.append(seg.end)
+            elif seg.start == 0:
+                segs_meta.append(PrefillSegmentMeta(row, n, 0, None, None))
+            else:
+                ctx = torch.arange(0, seg.end, dtype=torch.long)
+                mask = ctx[None, :] <= p[:, None]  # [n, end]
+                segs_meta.append(
+                    PrefillSegmentMeta(row, n, seg.start, self._slots(bt, ctx).to(self.device), mask.to(self.device))
+                )
+            row += n
+        num_real = row
+        ids.extend([0] * out.num_padding_tokens)
+        if out.num_padding_tokens:
+            pos.append(torch.zeros(out.num_padding_tokens, dtype=torch.long))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.cat(pos).to(self.device)
+        slot_mapping = torch.cat(slots).to(self.device)
+        meta = AttentionMetadata(num_real, slot_mapping, segs_meta)
+        if dec_rows:
+            bs = self.kv.block_size
+            max_len = max(dec_lens)
+            max_blocks = -(-max_len // bs)
+            table = torch.zeros(len(dec_tables), max_blocks, dtype=torch.long)
+            for i, bt in enumerate(dec_tables):
+                m = min(len(bt), max_blocks)
+                table[i, :m] = bt[:m]
+            ctx = torch.arange(max_len, dtype=torch.long)
+            lens = torch.tensor(dec_lens, dtype=torch.long)
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=self.device)
+            meta.decode_rows_contiguous = dec_rows == list(range(len(dec_rows)))
+            meta.decode_slots = (table[:, ctx // bs] * bs + ctx % bs).to(self.device)  # [B, L]
+            meta.decode_mask = (ctx[None, :] < lens[:, None])[:, None, None, :].to(self.device)  # [B,1,1,L]
+        return input_ids, positions, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        self.sampler.drop(out.finished_request_ids)
+        if out.is_empty:
+            return StepResult(step_id=out.step_id, elapsed_s=0.0)
+        input_ids, positions, meta, sample_rows = self.build_inputs(out)
+        hidden = self.model(input_ids, positions, self._kv_layers, meta)  # [T, hidden]
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, dict[int, float]] = {}
+        sample_segs = [s for s in out.segments if s.sample]
+        if sample_segs:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
+            self.last_logits = logits.clone()
+            tokens, lps = self.sampler.sample(logits, sample_segs)
+            for seg, tok, lp in zip(sample_segs, tokens, lps, strict=True):
+                sampled[seg.request_id] = tok
+                if lp is not None:
+                    logprobs[seg.request_id] = lp
+        return StepResult(out.step_id, sampled, logprobs, elapsed_s=time.perf_counter() - t0)

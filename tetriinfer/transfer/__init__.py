@@ -1,0 +1,28 @@
+"""KV-cache transfer: one polled API (send/recv, write/read, chunk-wise open/append/close) over in-process,
+shared-memory, TCP and (optional) NIXL links, plus fault injection, link pacing and a retry policy."""
+
+from tetriinfer.transfer.base import AgentConfig, Peer, TransferBackend, TransferStats
+from tetriinfer.transfer.factory import BACKENDS, make_backend, nixl_available
+from tetriinfer.transfer.faulty import FaultPlan, FaultyBackend
+from tetriinfer.transfer.inproc import InprocBackend
+from tetriinfer.transfer.messages import RemoteRegion
+from tetriinfer.transfer.paced import LINK_PRESETS, PacedLink, parse_bandwidth, parse_duration
+from tetriinfer.transfer.retry import RetryingSender, RetryPolicy
+from tetriinfer.transfer.shm import ShmBackend
+from tetriinfer.transfer.state import (
+    LEGAL_TRANSITIONS,
+    IllegalTransition,
+    Role,
+    TransferRecord,
+    TransferState,
+    TransferStatus,
+)
+from tetriinfer.transfer.tcp import TcpBackend
+
+__all__ = [
+    "BACKENDS", "LEGAL_TRANSITIONS", "LINK_PRESETS", "AgentConfig", "FaultPlan", "FaultyBackend",
+    "IllegalTransition", "InprocBackend", "PacedLink", "Peer", "RemoteRegion", "RetryPolicy",
+    "RetryingSender", "Role", "ShmBackend", "TcpBackend", "TransferBackend", "TransferRecord",
+    "TransferState", "TransferStats", "TransferStatus", "make_backend", "nixl_available",
+    "parse_bandwidth", "parse_duration",
+]
