@@ -59,6 +59,11 @@ class SchedulerOutput:
     num_padding_tokens: int = 0
     preempted_request_ids: tuple[str, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
+    # Swap preemption (decode instances): before running the step, the executor first copies each
+    # ``swapped_out`` request's blocks to host memory, then each ``swapped_in`` request's saved K/V into
+    # its listed blocks. Both are empty unless a scheduler swaps.
+    swapped_out: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    swapped_in: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

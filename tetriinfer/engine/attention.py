@@ -42,7 +42,9 @@ class AttentionMetadata:
     decode_rows_contiguous: bool = False  # rows are exactly [0, B): write back with a slice
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
     # q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]
     h, hkv = q.shape[1], k.shape[1]
     if h != hkv:
@@ -67,9 +69,10 @@ def paged_attention(
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
     if meta.decode_rows is not None:
         assert meta.decode_slots is not None
-        b = meta.decode_slots.shape[0]
-        kc = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vc = v_cache[meta.decode_slots].transpose(1, 2)
+        b, length = meta.decode_slots.shape
+        flat = meta.decode_slots.view(-1)
+        kc = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vc = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
         if meta.decode_rows_contiguous:
             qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
             out[:b] = _sdpa(qd, kc, vc, meta.decode_mask, causal=False).squeeze(2)
@@ -84,8 +87,8 @@ def paged_attention(
             vs = v[rows].transpose(0, 1).unsqueeze(0)
             o = _sdpa(qs, ks, vs, None, causal=True)
         else:
-            ks = k_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx_len, D]
-            vs = v_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0)
+            ks = k_cache.index_select(0, seg.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            vs = v_cache.index_select(0, seg.ctx_slots).transpose(0, 1).unsqueeze(0)
             o = _sdpa(qs, ks, vs, seg.mask, causal=False)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out

@@ -17,7 +17,12 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 class KVCacheTensors:
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size

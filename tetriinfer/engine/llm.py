@@ -1,6 +1,7 @@
-"""The offline API, shaped like vLLM's so users switch with one import::
+"""The offline API, shaped like vLLM's so users switch with one import.
 
-    from tetriinfer import LLM, SamplingParams
+Example (``from tetriinfer import LLM, SamplingParams``)::
+
     llm = LLM(model="path/to/hf-folder", dtype="bfloat16")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
     print(outs[0].outputs[0].text)

@@ -65,7 +65,9 @@ def build_runner(config: EngineConfig) -> EngineParts:
     model, cfg = load_model(config.model, config.dtype, config.device, config.load_format, config.seed)
     max_len = config.max_model_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the model's {cfg.max_position_embeddings} positions"
+        )
     num_blocks = _num_kv_blocks(config, cfg, max_len)
     kv_tensors = KVCacheTensors(cfg, num_blocks, config.block_size, parse_dtype(config.dtype), config.device)
     runner = ModelRunner(model, cfg, kv_tensors, config.device, seed=config.seed)
@@ -125,7 +127,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
         req = Request(
             request_id=request_id,
             prompt_token_ids=[int(t) for t in prompt_token_ids],

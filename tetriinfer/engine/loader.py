@@ -88,7 +88,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         with torch.no_grad():
             if shard is None:
                 if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}"
+                    )
                 param.copy_(tensor)
             else:
                 sizes = model.shard_sizes(name)

@@ -38,7 +38,9 @@ class ModelRunner:
         bs = self.kv.block_size
         return block_table[positions // bs] * bs + positions % bs
 
-    def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def build_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """-> input_ids [T], positions [T], metadata, rows to sample (indices into the flat batch).
 
         Segments of one token with a cached prefix (decodes, in DECODE or MIXED steps) are attended as
@@ -72,7 +74,9 @@ class ModelRunner:
                 ctx = torch.arange(0, seg.end, dtype=torch.long)
                 mask = ctx[None, :] <= p[:, None]  # [n, end]
                 segs_meta.append(
-                    PrefillSegmentMeta(row, n, seg.start, self._slots(bt, ctx).to(self.device), mask.to(self.device))
+                    PrefillSegmentMeta(
+                        row, n, seg.start, self._slots(bt, ctx).to(self.device), mask.to(self.device)
+                    )
                 )
             row += n
         num_real = row

@@ -1,0 +1,257 @@
+"""``tetriinfer bench``: load-test an OpenAI-compatible server and compare results.
+
+- ``tetriinfer bench --base-url URL --model NAME --workload W ...`` (same as ``bench run ...``)
+- ``tetriinfer bench compare A.json B.json ... [--plot DIR] [--md FILE]``
+- ``tetriinfer bench workload W -n N ...``: print what a workload looks like (no server needed)
+
+``bench side-by-side`` is added by the server owner; it can call
+``tetriinfer.bench.client.benchmark_server`` and ``tetriinfer.bench.metrics.flat_summary``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Any
+
+from tetriinfer.bench.workloads import CLASS_NAMES
+
+
+def _rate(text: str) -> float | None:
+    value = float(text)
+    if math.isinf(value) and value > 0:
+        return None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"rate must be > 0 or 'inf', got {text}")
+    return value
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Options that pick and shape a workload (shared with anything that asks for a workload)."""
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--workload",
+        "-w",
+        default="mixed",
+        help=f"{', '.join(CLASS_NAMES)} or trace:FILE (Azure CSV or Mooncake JSONL); default mixed",
+    )
+    g.add_argument(
+        "--num-requests", "-n", type=int, default=200, help="requests to send (first N of a trace)"
+    )
+    g.add_argument(
+        "--rate",
+        type=_rate,
+        default=None,
+        help="mean request rate, req/s ('inf' = all at once; classes default to inf, traces to "
+        "their own timestamps, rescaled to this rate when given)",
+    )
+    g.add_argument(
+        "--trace-timescale",
+        type=float,
+        default=None,
+        help="multiply trace inter-arrival gaps by S (2 = half the rate); exclusive with --rate",
+    )
+    g.add_argument(
+        "--arrival",
+        choices=("poisson", "gamma", "trace"),
+        default=None,
+        help="arrival process (default: trace timestamps for traces, poisson for classes)",
+    )
+    g.add_argument(
+        "--burstiness-cv", type=float, default=1.0, help="gamma arrivals: CV of the gaps (1 = Poisson)"
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="classes: sample only prompts up to this; traces: clip to this",
+    )
+    g.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="classes: sample only outputs up to this; traces: clip to this",
+    )
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="requests with prompt+output over this are counted as rejected (default: the "
+        "server's max_model_len from /v1/models when it reports one)",
+    )
+    g.add_argument(
+        "--length-source",
+        default=None,
+        help="trace the classes resample lengths from: azure (default), mooncake, sample, or a path",
+    )
+
+
+def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from tetriinfer.bench.workloads import load_workload
+
+    arrival = args.arrival
+    if args.burstiness_cv != 1.0 and arrival is None:
+        arrival = "gamma"
+    return load_workload(
+        args.workload,
+        args.num_requests,
+        args.rate,
+        args.seed,
+        arrival=arrival,
+        burstiness_cv=args.burstiness_cv,
+        trace_timescale=args.trace_timescale,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        max_context=args.max_context,
+        length_source=args.length_source,
+    )
+
+
+def _add_run_args(p: argparse.ArgumentParser, required: bool) -> None:
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", required=required, default=None, help="e.g. http://127.0.0.1:8000")
+    s.add_argument("--model", required=required, default=None, help="model name the server serves")
+    s.add_argument("--endpoint", default="/v1/completions")
+    s.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer dir (or tokenizer.json) of the served model: prompts are exact-length "
+        "token-id lists cut from real text; without it, random token ids are sent",
+    )
+    s.add_argument(
+        "--random-token-range",
+        default="100:1000",
+        help="LO:HI range of random prompt token ids when no tokenizer is given",
+    )
+    s.add_argument(
+        "--no-vllm-extras",
+        action="store_true",
+        help="do not send ignore_eos/min_tokens/continuous_usage_stats (for strict OpenAI servers)",
+    )
+    s.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    s.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput (ms)")
+    s.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput (ms)")
+    s.add_argument(
+        "--slo-e2e", type=float, default=None, metavar="MS", help="E2E latency SLO for goodput (ms)"
+    )
+    s.add_argument("--label", default=None, help="name of this run in reports")
+    s.add_argument("--out", default=None, help="write results JSON (per-request records + summary) here")
+    s.add_argument("--no-progress", action="store_true")
+    add_workload_args(p)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from tetriinfer.bench.client import ClientConfig, run_benchmark, save_results
+    from tetriinfer.bench.metrics import SLO
+    from tetriinfer.bench.report import summary_text
+    from tetriinfer.bench.workloads import workload_summary_line
+
+    if args.base_url is None or args.model is None:
+        raise ValueError("bench run needs --base-url and --model")
+    try:
+        lo, hi = (int(x) for x in args.random_token_range.split(":"))
+    except ValueError as exc:
+        raise ValueError(f"--random-token-range must be LO:HI, got {args.random_token_range!r}") from exc
+    slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    workload = _build_workload(args)
+    config = ClientConfig(
+        base_url=args.base_url,
+        model=args.model,
+        endpoint=args.endpoint,
+        tokenizer=args.tokenizer,
+        max_context=args.max_context,
+        vllm_extras=not args.no_vllm_extras,
+        request_timeout_s=args.request_timeout,
+        max_concurrency=args.max_concurrency,
+        random_token_range=(lo, hi),
+        api_key=args.api_key,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    print(workload_summary_line(workload))
+    result = run_benchmark(config, workload, slo, args.label)
+    print(summary_text(result))
+    lag = result["summary"]["send_lag"]["p99"]
+    if lag is not None and lag > 0.05:
+        print(
+            f"warning: the client sent requests up to {lag * 1e3:.0f} ms (p99) behind schedule; the load "
+            "generator is saturated (try fewer requests/s, or a less loaded machine)"
+        )
+    if args.out:
+        print(f"results written to {save_results(result, args.out)}")
+    return 0 if result["summary"]["completed"] > 0 else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.base_url is None:
+        args._bench_parser.print_help()
+        return 2
+    return _cmd_run(args)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tetriinfer.bench.report import compare_table, load_results, plot_cdfs, write_markdown_report
+
+    results = load_results(args.results)
+    print(compare_table(results))
+    plots: list[Path] = []
+    if args.plot:
+        plots = plot_cdfs(results, args.plot)
+        print("plots: " + ", ".join(str(p) for p in plots))
+    if args.md:
+        print(f"report written to {write_markdown_report(args.md, results, args.title, plots)}")
+    return 0
+
+
+def _cmd_workload(args: argparse.Namespace) -> int:
+    from tetriinfer.bench.workloads import workload_summary_line
+
+    workload = _build_workload(args)
+    print(workload_summary_line(workload))
+    desc: dict[str, Any] = workload.describe()
+    print(json.dumps(desc, indent=1))
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(
+            json.dumps({"workload": desc, "requests": [r.to_dict() for r in workload]}, indent=1) + "\n",
+            encoding="utf-8",
+        )
+        print(f"requests written to {args.out}")
+    return 0
+
+
+def add_subparsers(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``bench`` and its sub-subcommands ``run``, ``compare``, ``workload``."""
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (vllm bench serve metrics)",
+        description="Open-loop load test of an OpenAI-compatible /v1/completions server. Without a "
+        "sub-command, the options below run one benchmark (same as 'bench run').",
+    )
+    _add_run_args(bench, required=False)
+    bench.set_defaults(handler=_cmd_bench, _bench_parser=bench)
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
+
+    run = sub.add_parser("run", help="run one workload against a server")
+    _add_run_args(run, required=True)
+    run.set_defaults(handler=_cmd_run)
+
+    cmp = sub.add_parser("compare", help="ratio table (first file = baseline), CDF plots, markdown report")
+    cmp.add_argument("results", nargs="+", help="results JSON files from bench runs")
+    cmp.add_argument("--plot", default=None, metavar="DIR", help="write TTFT/JCT CDF and in-flight PNGs here")
+    cmp.add_argument("--md", default=None, metavar="FILE", help="write a markdown report here")
+    cmp.add_argument("--title", default="Benchmark report")
+    cmp.set_defaults(handler=_cmd_compare)
+
+    wl = sub.add_parser("workload", help="generate a workload and print its statistics (no server)")
+    add_workload_args(wl)
+    wl.add_argument("--out", default=None, help="write the request list as JSON here")
+    wl.set_defaults(handler=_cmd_workload)

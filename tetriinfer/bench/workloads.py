@@ -1,0 +1,525 @@
+"""Workloads: what requests arrive when, with how many prompt and output tokens.
+
+Pure module (no torch, no sockets, no clock) so the benchmark client and the simulator build the very
+same request lists. Sources:
+
+- ``trace:FILE`` replays a real trace: Azure CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) or
+  Mooncake JSONL (``timestamp`` in ms, ``input_length``, ``output_length``), detected by extension or
+  content. Arrivals are the trace's timestamps (optionally time-scaled or rescaled to a rate).
+- ``lpld``, ``lphd``, ``hpld``, ``hphd`` are the paper's classes: (prompt, output) pairs resampled with
+  replacement from a real trace's rows that satisfy the class (heavy prefill: prompt > 512 tokens;
+  heavy decode: output > 128 tokens; light: at or below). ``mixed`` resamples from all rows. Pairs are
+  kept together, so the classes keep the trace's joint distribution. Arrivals are Poisson or gamma.
+
+Invariants of a returned ``Workload``: requests are sorted by ``arrival_s`` (first at 0.0), ids are
+unique, and every request that the target server cannot hold (``prompt + output > max_context``) is
+present with ``rejected=True`` - never silently dropped.
+
+The default length source is ``../shared/data/AzureLLMInferenceTrace_conv.csv`` (set
+``TETRIINFER_DATA_DIR`` to point elsewhere); when it is absent the 2,000-row sample shipped in
+``tetriinfer/data/azure_conv_sample.csv`` is used instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tetriinfer.bench.arrivals import (
+    make_arrivals,
+    observed_rate,
+    rescale_to_rate,
+    trace_arrivals,
+)
+
+HEAVY_PREFILL_TOKENS = 512
+"""A prompt is heavy when it has strictly more tokens than this (paper, section 2)."""
+HEAVY_DECODE_TOKENS = 128
+"""An output is heavy when it has strictly more tokens than this (the ShareGPT median)."""
+
+CLASS_NAMES: tuple[str, ...] = ("lpld", "lphd", "hpld", "hphd", "mixed")
+AZURE_CONV_FILENAME = "AzureLLMInferenceTrace_conv.csv"
+MOONCAKE_CONV_FILENAME = "mooncake_conversation_trace.jsonl"
+SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "azure_conv_sample.csv"
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request of a workload.
+
+    ``arrival_s`` is seconds after the start of the run. ``output_tokens`` is the exact number of tokens
+    the client asks for (``max_tokens``, with EOS ignored where the server allows it). A request with
+    ``rejected=True`` is never sent; it is reported in the ``rejected`` count.
+    """
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    prompt_text: str | None = None
+    rejected: bool = False
+    reject_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not (self.arrival_s >= 0 and math.isfinite(self.arrival_s)):
+            raise ValueError(f"{self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
+        if self.prompt_tokens < 1:
+            raise ValueError(f"{self.request_id}: prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if self.output_tokens < 0:
+            raise ValueError(f"{self.request_id}: output_tokens must be >= 0, got {self.output_tokens}")
+        if self.rejected and not self.reject_reason:
+            raise ValueError(f"{self.request_id}: a rejected request needs a reject_reason")
+
+    @property
+    def workload_class(self) -> str:
+        return classify(self.prompt_tokens, self.output_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "arrival_s": self.arrival_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "prompt_text": self.prompt_text,
+            "rejected": self.rejected,
+            "reject_reason": self.reject_reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkloadRequest:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One row of a length trace: timestamp in seconds (any origin) and token counts."""
+
+    timestamp_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named, ordered list of requests plus how it was made (for reports)."""
+
+    name: str
+    requests: tuple[WorkloadRequest, ...]
+    source: str
+    arrival_process: str
+    rate: float | None
+    seed: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        ids = [r.request_id for r in self.requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"workload {self.name}: request ids must be unique")
+        if any(b.arrival_s < a.arrival_s for a, b in zip(self.requests, self.requests[1:], strict=False)):
+            raise ValueError(f"workload {self.name}: requests must be sorted by arrival_s")
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.requests)
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(r.rejected for r in self.requests)
+
+    def describe(self) -> dict[str, Any]:
+        """Metadata and length statistics (JSON-serializable)."""
+        prompts = [r.prompt_tokens for r in self.requests]
+        outputs = [r.output_tokens for r in self.requests]
+        arrivals = [r.arrival_s for r in self.requests]
+        return {
+            "name": self.name,
+            "source": self.source,
+            "arrival_process": self.arrival_process,
+            "target_rate": self.rate,
+            "observed_rate": observed_rate(arrivals),
+            "seed": self.seed,
+            "num_requests": len(self.requests),
+            "num_rejected": self.num_rejected,
+            "duration_s": arrivals[-1] if arrivals else 0.0,
+            "prompt_tokens": length_stats(prompts),
+            "output_tokens": length_stats(outputs),
+            "notes": list(self.notes),
+        }
+
+
+def classify(prompt_tokens: int, output_tokens: int) -> str:
+    """The paper's class of a (prompt, output) pair: ``lpld``, ``lphd``, ``hpld`` or ``hphd``."""
+    p = "hp" if prompt_tokens > HEAVY_PREFILL_TOKENS else "lp"
+    d = "hd" if output_tokens > HEAVY_DECODE_TOKENS else "ld"
+    return p + d
+
+
+def length_stats(values: list[int]) -> dict[str, float | int | None]:
+    """mean / median / p90 / p99 / min / max of token counts (None for an empty list)."""
+    if not values:
+        return {"mean": None, "median": None, "p90": None, "p99": None, "min": None, "max": None}
+    arr = np.asarray(values, dtype=float)
+    return {
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+        "min": int(arr.min()),
+        "max": int(arr.max()),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- traces
+
+
+def _parse_timestamp(text: str) -> float:
+    """Seconds from a numeric string or an ISO date-time (Azure's has 7 fractional digits)."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    main, _, frac = text.partition(".")
+    base = datetime.fromisoformat(main)
+    return base.timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def _detect_format(path: Path, text: str) -> str:
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return "csv"
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            return "jsonl" if stripped.startswith("{") else "csv"
+    raise ValueError(f"trace file {path} is empty")
+
+
+def _rows_from_csv(path: Path, text: str) -> list[TraceRow]:
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    reader = csv.DictReader(io.StringIO("\n".join(lines)))
+    need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+    if reader.fieldnames is None or not need.issubset({f.strip() for f in reader.fieldnames}):
+        raise ValueError(
+            f"trace CSV {path} must have columns TIMESTAMP,ContextTokens,GeneratedTokens; got {reader.fieldnames}"
+        )
+    rows: list[TraceRow] = []
+    for i, rec in enumerate(reader, start=2):
+        rec = {k.strip(): v for k, v in rec.items() if k is not None}
+        try:
+            rows.append(
+                TraceRow(
+                    _parse_timestamp(rec["TIMESTAMP"]), int(rec["ContextTokens"]), int(rec["GeneratedTokens"])
+                )
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"trace CSV {path}, data line {i}: cannot parse {rec}: {exc}") from exc
+    return rows
+
+
+def _rows_from_jsonl(path: Path, text: str) -> list[TraceRow]:
+    rows: list[TraceRow] = []
+    for i, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            rec = json.loads(line)
+            rows.append(
+                TraceRow(
+                    float(rec["timestamp"]) / 1000.0, int(rec["input_length"]), int(rec["output_length"])
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"trace JSONL {path}, line {i}: need timestamp (ms), input_length, output_length: {exc}"
+            ) from exc
+    return rows
+
+
+@functools.lru_cache(maxsize=8)
+def _load_trace_cached(path_str: str, mtime_ns: int) -> tuple[TraceRow, ...]:
+    path = Path(path_str)
+    text = path.read_text(encoding="utf-8")
+    fmt = _detect_format(path, text)
+    rows = _rows_from_csv(path, text) if fmt == "csv" else _rows_from_jsonl(path, text)
+    if not rows:
+        raise ValueError(f"trace file {path} has no requests")
+    return tuple(rows)
+
+
+def load_trace(path: str | os.PathLike[str]) -> tuple[TraceRow, ...]:
+    """All rows of an Azure CSV or Mooncake JSONL trace, in file order (cached per file version)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"trace file not found: {p}")
+    return _load_trace_cached(str(p.resolve()), p.stat().st_mtime_ns)
+
+
+def shared_data_dir() -> Path:
+    """``$TETRIINFER_DATA_DIR`` if set, else ``<project root>/../shared/data`` (may not exist)."""
+    env = os.environ.get("TETRIINFER_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def default_length_source() -> Path:
+    """The full Azure conversation trace when present, else the shipped 2,000-row sample."""
+    full = shared_data_dir() / AZURE_CONV_FILENAME
+    return full if full.is_file() else SAMPLE_PATH
+
+
+def _resolve_source(length_source: str | os.PathLike[str] | None) -> Path:
+    if length_source is None or str(length_source) == "azure":
+        return default_length_source()
+    if str(length_source) == "mooncake":
+        return shared_data_dir() / MOONCAKE_CONV_FILENAME
+    if str(length_source) == "sample":
+        return SAMPLE_PATH
+    return Path(length_source)
+
+
+# -------------------------------------------------------------------------------------------- workloads
+
+
+def _mark_rejections(requests: list[WorkloadRequest], max_context: int | None) -> list[WorkloadRequest]:
+    if max_context is None:
+        return requests
+    out: list[WorkloadRequest] = []
+    for r in requests:
+        total = r.prompt_tokens + r.output_tokens
+        if total > max_context and not r.rejected:
+            reason = (
+                f"prompt ({r.prompt_tokens}) + output ({r.output_tokens}) = {total} tokens "
+                f"exceeds max context {max_context}"
+            )
+            r = WorkloadRequest(
+                r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.prompt_text, True, reason
+            )
+        out.append(r)
+    return out
+
+
+def _class_pool(
+    rows: tuple[TraceRow, ...], name: str, max_prompt: int | None, max_output: int | None
+) -> np.ndarray:
+    """(k, 2) array of (prompt, output) pairs of the class within the caps."""
+    pairs = np.array([(r.prompt_tokens, r.output_tokens) for r in rows], dtype=np.int64)
+    keep = (pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)
+    if max_prompt is not None:
+        keep &= pairs[:, 0] <= max_prompt
+    if max_output is not None:
+        keep &= pairs[:, 1] <= max_output
+    if name != "mixed":
+        heavy_p = pairs[:, 0] > HEAVY_PREFILL_TOKENS
+        heavy_d = pairs[:, 1] > HEAVY_DECODE_TOKENS
+        keep &= heavy_p if name[:2] == "hp" else ~heavy_p
+        keep &= heavy_d if name[2:] == "hd" else ~heavy_d
+    return pairs[keep]
+
+
+def _check_positive_int(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def load_workload(
+    name: str,
+    num_requests: int,
+    rate: float | None = None,
+    seed: int = 0,
+    *,
+    arrival: str | None = None,
+    burstiness_cv: float = 1.0,
+    trace_timescale: float | None = None,
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+    max_context: int | None = None,
+    length_source: str | os.PathLike[str] | None = None,
+) -> Workload:
+    """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed`` or ``trace:FILE``.
+
+    - ``num_requests``: class workloads draw this many; traces take their first ``num_requests`` rows.
+    - ``rate``: mean request rate (req/s). Class workloads: rate of the Poisson/gamma process, or None
+      for a burst (all at t=0, like ``vllm bench serve --request-rate inf``). Traces: rescale the trace's
+      timestamps (or, with ``arrival='poisson'|'gamma'``, replace them) so the rate is exactly ``rate``.
+    - ``arrival``: ``poisson`` (default for classes), ``gamma`` (with ``burstiness_cv``) or ``trace``
+      (default and only valid timestamp source for traces).
+    - ``trace_timescale``: multiply trace gaps by this (2 = half the rate); exclusive with ``rate``.
+    - ``max_prompt_tokens`` / ``max_output_tokens``: class workloads sample only pairs within the caps
+      (the class-conditioned distribution below the caps); traces clip lengths to the caps (noted).
+    - ``max_context``: requests with ``prompt + output > max_context`` are kept but marked rejected.
+    - ``length_source``: trace file the classes resample from (``azure`` default, ``mooncake``,
+      ``sample`` or a path).
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    if rate is not None and not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"rate must be a positive finite number of requests/s, got {rate}")
+    for label, value in (
+        ("max_prompt_tokens", max_prompt_tokens),
+        ("max_output_tokens", max_output_tokens),
+        ("max_context", max_context),
+    ):
+        _check_positive_int(label, value)
+    key = name.strip()
+    if key.lower().startswith("trace:"):
+        return _trace_workload(
+            key[len("trace:") :],
+            num_requests,
+            rate,
+            seed,
+            arrival,
+            burstiness_cv,
+            trace_timescale,
+            max_prompt_tokens,
+            max_output_tokens,
+            max_context,
+        )
+    key = key.lower()
+    if key not in CLASS_NAMES:
+        raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(CLASS_NAMES)} or trace:FILE")
+    if trace_timescale is not None:
+        raise ValueError("trace_timescale applies only to trace:FILE workloads")
+    process = arrival or "poisson"
+    if process == "trace":
+        raise ValueError(f"workload {key} has no trace timestamps; use arrival 'poisson' or 'gamma'")
+    source = _resolve_source(length_source)
+    rows = load_trace(source)
+    pool = _class_pool(rows, key, max_prompt_tokens, max_output_tokens)
+    if len(pool) == 0:
+        raise ValueError(
+            f"no (prompt, output) pairs in {source} satisfy class {key} with max_prompt_tokens="
+            f"{max_prompt_tokens}, max_output_tokens={max_output_tokens} (heavy prefill > "
+            f"{HEAVY_PREFILL_TOKENS}, heavy decode > {HEAVY_DECODE_TOKENS} tokens)"
+        )
+    idx = np.random.default_rng([seed, 1]).integers(0, len(pool), size=num_requests)
+    arrivals = make_arrivals(num_requests, process, rate, seed, burstiness_cv)
+    requests = [
+        WorkloadRequest(f"{key}-{i}", arrivals[i], int(pool[j, 0]), int(pool[j, 1]))
+        for i, j in enumerate(idx.tolist())
+    ]
+    notes = (f"lengths resampled from {len(pool)} of {len(rows)} rows of {source.name}",)
+    return Workload(
+        key,
+        tuple(_mark_rejections(requests, max_context)),
+        str(source),
+        process if rate is not None else "burst",
+        rate,
+        seed,
+        notes,
+    )
+
+
+def _trace_workload(
+    path: str,
+    num_requests: int,
+    rate: float | None,
+    seed: int,
+    arrival: str | None,
+    burstiness_cv: float,
+    trace_timescale: float | None,
+    max_prompt: int | None,
+    max_output: int | None,
+    max_context: int | None,
+) -> Workload:
+    if not path:
+        raise ValueError("trace workload needs a file: trace:FILE")
+    if rate is not None and trace_timescale is not None:
+        raise ValueError("give either rate or trace_timescale for a trace, not both")
+    rows = load_trace(path)
+    if num_requests > len(rows):
+        raise ValueError(f"trace {path} has only {len(rows)} requests, {num_requests} requested")
+    rows = rows[:num_requests]
+    process = arrival or "trace"
+    notes: list[str] = []
+    if process == "trace":
+        arrivals = trace_arrivals([r.timestamp_s for r in rows], trace_timescale or 1.0)
+        if rate is not None:
+            arrivals = rescale_to_rate(arrivals, rate)
+    else:
+        if trace_timescale is not None:
+            raise ValueError("trace_timescale needs trace timestamps (arrival 'trace')")
+        arrivals = make_arrivals(len(rows), process, rate, seed, burstiness_cv)
+        if rate is None:
+            process = "burst"
+    requests: list[WorkloadRequest] = []
+    clipped = 0
+    for i, (row, t) in enumerate(zip(rows, arrivals, strict=True)):
+        prompt, output = row.prompt_tokens, row.output_tokens
+        if max_prompt is not None and prompt > max_prompt:
+            prompt, clipped = max_prompt, clipped + 1
+        if max_output is not None and output > max_output:
+            output, clipped = max_output, clipped + 1
+        rejected = prompt < 1 or output < 1
+        requests.append(
+            WorkloadRequest(
+                f"trace-{i}",
+                t,
+                max(prompt, 1),
+                max(output, 0),
+                None,
+                rejected,
+                f"trace row has {prompt} prompt / {output} output tokens" if rejected else None,
+            )
+        )
+    if clipped:
+        notes.append(
+            f"{clipped} lengths clipped to max_prompt_tokens={max_prompt}/max_output_tokens={max_output}"
+        )
+    name = f"trace:{Path(path).name}"
+    return Workload(
+        name,
+        tuple(_mark_rejections(requests, max_context)),
+        str(Path(path)),
+        process,
+        rate,
+        seed,
+        tuple(notes),
+    )
+
+
+def with_max_context(workload: Workload, max_context: int | None) -> Workload:
+    """The same workload with requests over ``max_context`` (prompt + output) marked rejected."""
+    _check_positive_int("max_context", max_context)
+    if max_context is None:
+        return workload
+    requests = tuple(_mark_rejections(list(workload.requests), max_context))
+    return Workload(
+        workload.name,
+        requests,
+        workload.source,
+        workload.arrival_process,
+        workload.rate,
+        workload.seed,
+        workload.notes,
+    )
+
+
+def workload_summary_line(workload: Workload) -> str:
+    """One human line: name, count, arrivals, rate, length medians."""
+    d = workload.describe()
+    rate = d["observed_rate"]
+    rate_text = f" at {rate:.3f} req/s" if rate else ""
+    return (
+        f"{d['name']}: {d['num_requests']} requests ({d['num_rejected']} rejected), "
+        f"{d['arrival_process']} arrivals{rate_text}, prompt median {d['prompt_tokens']['median']:.0f}, "
+        f"output median {d['output_tokens']['median']:.0f} tokens"
+    )

@@ -1,0 +1,71 @@
+"""`tetriinfer` subcommands owned by the engine: ``make-model`` (more are added here, one function each).
+
+Each ``_add_<command>`` registers one subparser with ``set_defaults(handler=...)``; handlers take the
+parsed args, return an exit code, and raise ValueError/FileNotFoundError for user errors (the main CLI
+prints those cleanly). Heavy imports (torch, transformers) happen inside handlers, so building the
+parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+# Mirrors make_model.ARCHS/PRESETS/DTYPES without importing it (tests check they agree).
+ARCH_CHOICES: tuple[str, ...] = ("llama", "opt", "qwen2")
+PRESET_CHOICES: tuple[str, ...] = ("tiny", "small")
+DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+def _make_model_handler(args: argparse.Namespace) -> int:
+    from tetriinfer.engine.make_model import count_parameters, make_model
+
+    start = time.perf_counter()
+    path = make_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype, force=args.force)
+    elapsed = time.perf_counter() - start
+    params = count_parameters(path)
+    print(path)
+    print(
+        f"{args.arch}/{args.preset}: {params:,} parameters ({params / 1e6:.1f}M), {args.dtype}, "
+        f"seed {args.seed}, written in {elapsed:.1f}s"
+    )
+    return 0
+
+
+def _add_make_model(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "make-model",
+        help="write a random-weight Hugging Face checkpoint (offline, deterministic)",
+        description=(
+            "Write a Hugging-Face-format model folder (config, one model.safetensors, tokenizer with a "
+            "chat template) with seeded random weights. The same arguments give byte-identical weights."
+        ),
+    )
+    parser.add_argument("--arch", choices=ARCH_CHOICES, default="llama", help="model family (default: llama)")
+    parser.add_argument(
+        "--preset",
+        choices=PRESET_CHOICES,
+        default="tiny",
+        help="tiny ~20M params, small ~100M (default: tiny)",
+    )
+    parser.add_argument(
+        "--out", required=True, help="folder to create (must be absent or empty unless --force)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="float32", help="weight dtype (default: float32)"
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite the model files in a non-empty --out")
+    parser.set_defaults(handler=_make_model_handler)
+
+
+# One entry per subcommand; add new ones (e.g. `profile`) here.
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_make_model,)
+
+
+def add_subparsers(subparsers: Any) -> None:
+    """Register the engine's subcommands on the main CLI's ``add_subparsers()`` object."""
+    for add in _SUBCOMMANDS:
+        add(subparsers)

@@ -1,0 +1,128 @@
+"""Transfer state machine: the one place that decides which state changes are legal.
+
+Invariants:
+- A transfer starts PENDING and ends in exactly one terminal state, DONE or FAILED.
+- Legal moves: PENDING -> TRANSFERRING | FAILED, TRANSFERRING -> DONE | FAILED. Nothing leaves a terminal state.
+- A FAILED transfer always carries a non-empty human-readable reason; DONE never carries one.
+- Only the owning backend's I/O thread moves a record to a terminal state (so buffers are never written after
+  the caller has seen DONE/FAILED); callers only read records.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+
+class TransferState(enum.Enum):
+    """State of one transfer, as seen by one side (sender, receiver or reader)."""
+
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+LEGAL_TRANSITIONS: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.PENDING: frozenset({TransferState.TRANSFERRING, TransferState.FAILED}),
+    TransferState.TRANSFERRING: frozenset({TransferState.DONE, TransferState.FAILED}),
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """Raised when code tries a state change that LEGAL_TRANSITIONS forbids (a bug, never a network fault)."""
+
+
+class Role(enum.Enum):
+    SENDER = "sender"
+    RECEIVER = "receiver"
+    READER = "reader"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """Snapshot of one transfer, safe to hand to other threads."""
+
+    transfer_id: str
+    role: Role
+    state: TransferState
+    reason: str
+    bytes_done: int
+    bytes_total: int
+    attempt: int
+    elapsed_s: float
+
+
+class TransferRecord:
+    """Mutable state machine of one transfer on one side. Not thread-safe: the owner holds a lock.
+
+    `deadline` is an inactivity deadline: every call to `touch(now)` (progress) moves it to now + timeout_s.
+    """
+
+    __slots__ = (
+        "transfer_id", "role", "state", "reason", "bytes_done", "bytes_total", "attempt",
+        "timeout_s", "created", "deadline", "ended",
+    )
+
+    def __init__(self, transfer_id: str, role: Role, timeout_s: float, now: float | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        now = time.monotonic() if now is None else now
+        self.transfer_id = transfer_id
+        self.role = role
+        self.state = TransferState.PENDING
+        self.reason = ""
+        self.bytes_done = 0
+        self.bytes_total = 0
+        self.attempt = 0
+        self.timeout_s = timeout_s
+        self.created = now
+        self.deadline = now + timeout_s
+        self.ended: float | None = None
+
+    def advance(self, new: TransferState, reason: str = "", now: float | None = None) -> None:
+        """Move to `new`; raises IllegalTransition on a forbidden move and ValueError on a FAILED without reason."""
+        if new not in LEGAL_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"transfer {self.transfer_id!r}: {self.state.name} -> {new.name} is illegal")
+        if new is TransferState.FAILED and not reason:
+            raise ValueError("a FAILED transfer needs a reason")
+        now = time.monotonic() if now is None else now
+        self.state = new
+        if new is TransferState.FAILED:
+            self.reason = reason
+        if new.terminal:
+            self.ended = now
+
+    def fail(self, reason: str, now: float | None = None) -> bool:
+        """FAILED from any live state; returns False (and does nothing) if already terminal."""
+        if self.state.terminal:
+            return False
+        self.advance(TransferState.FAILED, reason, now)
+        return True
+
+    def start(self, now: float | None = None) -> None:
+        """PENDING -> TRANSFERRING if still pending (idempotent)."""
+        if self.state is TransferState.PENDING:
+            self.advance(TransferState.TRANSFERRING, now=now)
+
+    def touch(self, now: float) -> None:
+        self.deadline = now + self.timeout_s
+
+    def expired(self, now: float) -> bool:
+        return not self.state.terminal and now > self.deadline
+
+    def snapshot(self, now: float | None = None) -> TransferStatus:
+        now = time.monotonic() if now is None else now
+        end = self.ended if self.ended is not None else now
+        return TransferStatus(
+            transfer_id=self.transfer_id, role=self.role, state=self.state, reason=self.reason,
+            bytes_done=self.bytes_done, bytes_total=self.bytes_total, attempt=self.attempt,
+            elapsed_s=end - self.created,
+        )
