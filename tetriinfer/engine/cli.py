@@ -62,7 +62,66 @@ def _add_make_model(subparsers: Any) -> None:
 
 
 # One entry per subcommand; add new ones (e.g. `profile`) here.
-_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_make_model,)
+def _profile_handler(args: argparse.Namespace) -> int:
+    from tetriinfer.engine.engine_config import EngineConfig
+    from tetriinfer.engine.profiler import ProfileConfig, format_table, run_profile, save_profile
+
+    model = args.model
+    if model is None:
+        from tetriinfer.engine.make_model import default_model_path
+
+        model = str(default_model_path())
+    engine_config = EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        load_format=args.load_format,
+        num_threads=args.num_threads,
+        max_num_seqs=max(args.decode_batches),
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
+    config = ProfileConfig(
+        prefill_tokens=tuple(args.prefill_tokens),
+        decode_batches=tuple(args.decode_batches),
+        decode_context=args.decode_context,
+        repeats=args.repeats,
+    )
+    prof = run_profile(engine_config, config)
+    print(format_table(prof))
+    print(f"\naccelerator-saturate threshold (ChunkSize): {prof.chunk_size} tokens")
+    save_profile(prof, args.out)
+    print(f"profile written to {args.out}")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_profile(subparsers: Any) -> None:
+    from tetriinfer.engine.profiler import DEFAULT_DECODE_BATCHES, DEFAULT_PREFILL_TOKENS
+
+    p = subparsers.add_parser("profile", help="sweep prefill chunk sizes and decode batch sizes on this device")
+    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--prefill-tokens", type=_ints, default=list(DEFAULT_PREFILL_TOKENS))
+    p.add_argument("--decode-batches", type=_ints, default=list(DEFAULT_DECODE_BATCHES))
+    p.add_argument("--decode-context", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="profile.json")
+    p.set_defaults(handler=_profile_handler)
+
+
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_make_model, _add_profile)
 
 
 def add_subparsers(subparsers: Any) -> None:

@@ -28,8 +28,11 @@ class KVCacheTensors:
         self.block_size = block_size
         slots = num_blocks * block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # torch.empty: pages are committed lazily as blocks get used (a 2 GiB memset per engine start
+        # would cost seconds). Never-written slots are never read: attention gathers only positions
+        # below each request's length, and pads gathers with the request's own first slot.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.k, self.v, strict=True))

@@ -46,7 +46,7 @@ ARCHS: tuple[str, ...] = ("llama", "opt", "qwen2")
 PRESETS: tuple[str, ...] = ("tiny", "small")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
-# Std of the logits of a random model, in nats (see _init_rule).
+# Std of the logits of a random model, in nats (see init_rule).
 LOGIT_SPREAD = 4.0
 # Bumped whenever the weights a given (arch, preset, seed, dtype) produces change.
 RECIPE_VERSION = 1

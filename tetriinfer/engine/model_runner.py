@@ -32,7 +32,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(device=self.device, seed=seed)
         self._kv_layers = kv.layers()
-        self.last_logits: torch.Tensor | None = None  # [N, V] of the last step (tests, logprobs checks)
+        # When set, every sampled position's raw logits [V] are appended here per request (tests, debugging).
+        self.logits_sink: dict[str, list[torch.Tensor]] | None = None
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         bs = self.kv.block_size
@@ -97,9 +98,11 @@ class ModelRunner:
                 table[i, :m] = bt[:m]
             ctx = torch.arange(max_len, dtype=torch.long)
             lens = torch.tensor(dec_lens, dtype=torch.long)
+            # Positions past a request's length re-read its position 0 (always written), then get masked.
+            ctx_pos = torch.where(ctx[None, :] < lens[:, None], ctx[None, :], 0)  # [B, L]
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=self.device)
             meta.decode_rows_contiguous = dec_rows == list(range(len(dec_rows)))
-            meta.decode_slots = (table[:, ctx // bs] * bs + ctx % bs).to(self.device)  # [B, L]
+            meta.decode_slots = (table.gather(1, ctx_pos // bs) * bs + ctx_pos % bs).to(self.device)  # [B, L]
             meta.decode_mask = (ctx[None, :] < lens[:, None])[:, None, None, :].to(self.device)  # [B,1,1,L]
         return input_ids, positions, meta, sample_rows
 
@@ -117,7 +120,9 @@ class ModelRunner:
         if sample_segs:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
-            self.last_logits = logits.clone()
+            if self.logits_sink is not None:
+                for seg, row_logits in zip(sample_segs, logits, strict=True):
+                    self.logits_sink.setdefault(seg.request_id, []).append(row_logits.clone())
             tokens, lps = self.sampler.sample(logits, sample_segs)
             for seg, tok, lp in zip(sample_segs, tokens, lps, strict=True):
                 sampled[seg.request_id] = tok

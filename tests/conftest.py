@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny checkpoints written by ``make_model`` once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Two OpenMP threads on a shared 2-core machine spin against each other (tiny forwards take seconds
+    # instead of milliseconds); tests are about behaviour, so use one.
+    try:
+        import torch
+    except ImportError:  # pure tests still run without torch
+        return
+    torch.set_num_threads(1)
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tetriinfer.engine.make_model import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: Path(make_model(arch, "tiny", root / arch, seed=0)) for arch in ("llama", "qwen2", "opt")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
