@@ -1,0 +1,257 @@
+"""Decode scheduler: admission policies, reservations, mispredictions, preemption, no deadlock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tetriinfer.core.decode_scheduler import (
+    DecodePolicy,
+    DecodeScheduler,
+    DecodeSchedulerConfig,
+    PreemptionMode,
+)
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
+
+BS = 4
+
+
+def prefilled(rid: str, n_prompt: int, max_tokens: int, lower: int | None = None, upper: int | None = None) -> Request:
+    """A request as a prefill instance hands it over: prompt computed, first token sampled."""
+    req = Request(rid, [5] * n_prompt, SamplingParams(max_tokens=max_tokens))
+    req.output_token_ids.append(9)
+    req.num_computed_tokens = n_prompt
+    req.status = RequestStatus.RUNNING
+    if lower is not None:
+        req.predicted_bucket, req.predicted_lower, req.predicted_upper = 0, lower, upper or lower
+    return req
+
+
+def make(policy: str, blocks: int, preemption: str = "recompute", max_num_seqs: int = 64) -> DecodeScheduler:
+    cfg = DecodeSchedulerConfig(policy=policy, preemption=preemption, max_num_seqs=max_num_seqs, max_model_len=4096)
+    return DecodeScheduler(cfg, KVCacheManager(blocks, BS))
+
+
+def step(sched: DecodeScheduler) -> tuple[SchedulerOutput, list[Request]]:
+    out = sched.schedule()
+    res = StepResult(out.step_id, {s.request_id: 9 for s in out.segments if s.sample})
+    return out, list(sched.update(out, res).finished)
+
+
+def admit(sched: DecodeScheduler, req: Request) -> bool:
+    ok = sched.reserve(req)
+    if ok:
+        sched.on_kv_received(req.request_id)
+    return ok
+
+
+def test_reserve_static_never_admits_beyond_pool_greedy_does() -> None:
+    # prompt 4 + first token = 5 tokens -> 2 blocks now; predicted 12 outputs -> 16 tokens -> 4 blocks.
+    static, greedy = make("reserve-static", 10), make("greedy", 10)
+    admitted_static = [admit(static, prefilled(f"r{i}", 4, 12, lower=12)) for i in range(5)]
+    admitted_greedy = [admit(greedy, prefilled(f"r{i}", 4, 12, lower=12)) for i in range(5)]
+    assert admitted_static == [True, True, False, False, False]
+    assert admitted_greedy == [True] * 5
+    assert static.kv.num_used_blocks == 8 and greedy.kv.num_used_blocks == 10
+    # With exact predictions, static never preempts; greedy must.
+    while static.has_unfinished() or greedy.has_unfinished():
+        o1, _ = step(static)
+        o2, _ = step(greedy)
+        assert not o1.preempted_request_ids
+        static.check_invariants()
+        greedy.check_invariants()
+    assert static.num_preemptions == 0 and greedy.num_preemptions > 0
+
+
+def test_reserve_dynamic_counts_on_the_shortest_running_request() -> None:
+    sched = make("reserve-dynamic", 10)
+    assert admit(sched, prefilled("short", 4, 4, lower=4))  # 8 tokens -> 2 blocks, 3 outputs left
+    assert admit(sched, prefilled("long", 4, 20, lower=20))  # 24 tokens -> 6 blocks
+    # 2 free now; "x" needs 4 at its target: fits once "short" (2 blocks) finishes -> admitted.
+    x = prefilled("x", 4, 12, lower=12)
+    assert sched.reserve(x)
+    assert sched.kv.num_blocks_of("x") == 2 and sched.committed_blocks() == 2
+    # Nothing more fits even after the shortest finishes.
+    assert not sched.reserve(prefilled("y", 4, 4, lower=4))
+    static = make("reserve-static", 10)
+    assert admit(static, prefilled("short", 4, 4, lower=4)) and admit(static, prefilled("long", 4, 20, lower=20))
+    assert not static.reserve(prefilled("x", 4, 12, lower=12))
+    sched.on_kv_received("x")
+    while sched.has_unfinished():
+        step(sched)
+        sched.check_invariants()
+    assert sched.kv.num_free_blocks == 10
+
+
+def test_misprediction_extends_when_blocks_are_free() -> None:
+    sched = make("reserve-static", 20)
+    req = prefilled("a", 4, 20, lower=4)  # predicted 4, truly 20
+    assert admit(sched, req)
+    assert sched.kv.num_blocks_of("a") == 2
+    while sched.has_unfinished():
+        step(sched)
+    assert req.status is RequestStatus.FINISHED_LENGTH and req.num_output_tokens == 20
+    assert sched.num_extensions > 0 and sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_misprediction_preempts_youngest_and_resumes(mode: str) -> None:
+    sched = make("reserve-static", 6, preemption=mode)
+    old = prefilled("old", 4, 16, lower=4)  # predicted 8 tokens -> 2 blocks, truly 20 tokens
+    young = prefilled("young", 4, 12, lower=12)  # 16 tokens -> 4 blocks, exact: the pool is full
+    assert admit(sched, old) and admit(sched, young)
+    seen_preempt = seen_resume = False
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        out, _ = step(sched)
+        sched.check_invariants()
+        if out.preempted_request_ids:
+            assert out.preempted_request_ids == ("young",)  # the youngest, never the oldest
+            seen_preempt = True
+            if mode == "swap":
+                assert [rid for rid, _ in out.swapped_out] == ["young"]
+        segs = {s.request_id: s for s in out.segments}
+        if seen_preempt and not seen_resume and "young" in segs:
+            seen_resume = True
+            seg = segs["young"]
+            assert seg.sample and seg.end == young.num_tokens - 1  # young got its token in update
+            if mode == "recompute":  # re-prefilled here: prompt + outputs as one prefill segment
+                assert seg.start == 0 and seg.num_tokens == young.num_tokens - 1
+                assert out.kind in (StepKind.PREFILL, StepKind.MIXED)
+            else:  # swapped back in: its K/V is copied back, it decodes one token
+                assert [rid for rid, _ in out.swapped_in] == ["young"] and seg.num_tokens == 1
+                assert len(out.swapped_in[0][1]) == -(-seg.start // BS)
+    assert seen_preempt and seen_resume
+    assert old.num_output_tokens == 16 and young.num_output_tokens == 12
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_transfer_failure_frees_and_hands_back() -> None:
+    sched = make("greedy", 10)
+    req = prefilled("a", 10, 4)
+    assert sched.reserve(req)
+    assert sched.kv.num_used_blocks == 3
+    assert sched.schedule().kind is StepKind.IDLE  # not runnable before its KV arrives
+    assert sched.transfer_failed("a") is req
+    assert sched.kv.num_free_blocks == 10 and not sched.has_unfinished()
+    with pytest.raises(KeyError):
+        sched.on_kv_received("a")
+
+
+def test_reserve_refusals_and_errors() -> None:
+    sched = make("greedy", 4, max_num_seqs=1)
+    assert admit(sched, prefilled("a", 2, 2))
+    assert not sched.reserve(prefilled("b", 2, 2))  # max_num_seqs
+    with pytest.raises(ValueError, match="cannot fit"):
+        make("greedy", 2).reserve(prefilled("huge", 20, 2))
+    with pytest.raises(ValueError, match="prefilled"):
+        sched.reserve(Request("raw", [1, 2], SamplingParams()))
+    with pytest.raises(ValueError, match="unknown decode policy"):
+        DecodeSchedulerConfig(policy="lazy")
+
+
+def test_lone_request_larger_than_pool_finishes_with_length_instead_of_hanging() -> None:
+    sched = make("greedy", 3)
+    req = prefilled("a", 4, 100)
+    assert admit(sched, req)
+    for _ in range(50):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert req.status is RequestStatus.FINISHED_LENGTH and req.num_computed_tokens == 12  # every slot used
+    assert sched.kv.num_free_blocks == 3
+
+
+def test_load_report_counts_heavy_and_light() -> None:
+    sched = make("greedy", 50)
+    admit(sched, prefilled("h", 4, 300, lower=200, upper=400))
+    sched.reserve(prefilled("l", 4, 10, lower=0, upper=200))
+    rep = sched.load_report("d0", now=3.0)
+    assert (rep.num_heavy_decodes, rep.num_light_decodes) == (1, 1)
+    assert (rep.num_running, rep.num_queued, rep.time) == (1, 1, 3.0)
+    assert rep.num_free_blocks + rep.num_used_blocks == 50
+
+
+# ---- property test -------------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(
+    policy=st.sampled_from(list(DecodePolicy)),
+    mode=st.sampled_from(list(PreemptionMode)),
+    blocks=st.integers(6, 30),
+    max_num_seqs=st.integers(1, 6),
+    reqs=st.lists(
+        st.tuples(st.integers(1, 20), st.integers(2, 30), st.integers(0, 40), st.booleans()), min_size=1, max_size=12
+    ),
+    seed=st.integers(0, 10_000),
+)
+def test_property_decode(
+    policy: DecodePolicy, mode: PreemptionMode, blocks: int, max_num_seqs: int,
+    reqs: list[tuple[int, int, int, bool]], seed: int,
+) -> None:
+    rng = random.Random(seed)
+    cfg = DecodeSchedulerConfig(policy=policy, preemption=mode, max_num_seqs=max_num_seqs, max_model_len=4096)
+    sched = DecodeScheduler(cfg, KVCacheManager(blocks, BS))
+    pending: list[Request] = []
+    for i, (n_prompt, true_len, predicted, has_pred) in enumerate(reqs):
+        n_prompt = min(n_prompt, blocks * BS - 1)
+        pending.append(prefilled(f"r{i}", n_prompt, true_len, lower=predicted if has_pred else None))
+    ended: dict[str, Request] = {}
+    in_transfer: list[tuple[int, str]] = []
+    tick = 0
+    bound = 50 * sum(r.sampling_params.max_tokens + r.num_prompt_tokens for r in pending) + 100
+    while pending or sched.has_unfinished():
+        tick += 1
+        assert tick < bound, "no progress: deadlock"
+        if pending and sched.reserve(pending[0]):
+            free_before = sched.kv.num_free_blocks
+            assert free_before >= 0
+            in_transfer.append((tick + rng.randrange(0, 3), pending.pop(0).request_id))
+        for due, rid in list(in_transfer):
+            if due <= tick:
+                in_transfer.remove((due, rid))
+                if rng.random() < 0.1:
+                    pending.append(sched.transfer_failed(rid))  # retried later
+                else:
+                    sched.on_kv_received(rid)
+        out, finished = step(sched)
+        sched.check_invariants()
+        assert sched.kv.num_free_blocks + sched.kv.num_used_blocks == blocks
+        assert len(sched.running) + len(sched.reserved) <= max_num_seqs
+        for seg in out.segments:
+            assert seg.end <= len(seg.block_table) * BS
+        for r in finished:
+            assert r.request_id not in ended, "finished twice"
+            ended[r.request_id] = r
+    assert len(ended) == len(reqs)
+    for r in ended.values():
+        if r.num_tokens < blocks * BS:  # otherwise it may legitimately hit the pool's size
+            assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert sched.kv.num_free_blocks == blocks
+
+
+def test_abort_anywhere_frees_blocks_and_ignores_the_inflight_step() -> None:
+    sched = make("greedy", 6)
+    a, b, c = prefilled("a", 4, 30), prefilled("b", 4, 30), prefilled("c", 4, 30)
+    assert admit(sched, a) and admit(sched, b) and sched.reserve(c)
+    out = sched.schedule()
+    assert sched.abort("a") is a and a.status is RequestStatus.FINISHED_ABORTED
+    sched.update(out, StepResult(out.step_id, {s.request_id: 9 for s in out.segments if s.sample}))
+    assert a.num_output_tokens == 1  # the in-flight step's token was dropped
+    assert sched.abort("c") is c and sched.abort("c") is None  # reserved, KV never arrived
+    d = prefilled("d", 4, 30)
+    assert admit(sched, d)
+    for _ in range(40):  # b and d grow until the youngest (d) is preempted
+        step(sched)
+        if sched.suspended:
+            break
+    assert list(sched.suspended) == [d]
+    assert sched.abort("d") is d and sched.abort("b") is b
+    assert sched.kv.num_free_blocks == 6 and not sched.has_unfinished()
+    assert sched.schedule().finished_request_ids  # the ends are reported to the executor

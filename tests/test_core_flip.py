@@ -1,0 +1,84 @@
+"""Flip policy state machine on crafted load reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
+from tetriinfer.core.load import InstanceState, LoadReport, Role
+
+
+def rep(iid: str, role: Role, util: float, queued: int = 0, running: int = 0, used: int = 0) -> LoadReport:
+    return LoadReport(iid, role, utilization=util, num_queued=queued, num_running=running,
+                      num_free_blocks=100 - used, num_used_blocks=used)
+
+
+def cluster(p_util: float, d_util: float, p1_busy: bool = False) -> list[LoadReport]:
+    return [
+        rep("p0", Role.PREFILL, p_util),
+        rep("p1", Role.PREFILL, 0.9 if p1_busy else p_util),
+        rep("d0", Role.DECODE, d_util, running=5, used=int(d_util * 100)),
+    ]
+
+
+def test_idle_prefill_flips_to_decode_after_window_and_drains() -> None:
+    fp = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0, busy_threshold=0.5))
+    assert fp.observe(cluster(0.0, 0.95), now=0.0) == []
+    assert fp.observe(cluster(0.0, 0.95), now=0.5) == []  # window not elapsed
+    cmds = fp.observe(cluster(0.0, 0.95), now=1.0)
+    assert [(c.action, c.instance_id, c.to_role) for c in cmds] == [(FlipAction.DRAIN, "p0", Role.DECODE)]
+    assert fp.state("p0") is InstanceState.DRAINING
+    assert fp.annotate(cluster(0.0, 0.95))[0].state is InstanceState.DRAINING
+    # p1 is the last ACTIVE prefill instance: it must not flip, however idle.
+    busy_p0 = [rep("p0", Role.PREFILL, 0.0, queued=2, used=4), *cluster(0.0, 0.95)[1:]]
+    assert fp.observe(busy_p0, now=5.0) == []  # p0 still has work: keeps draining
+    cmds = fp.observe(cluster(0.0, 0.95), now=6.0)  # p0 empty now
+    assert [(c.action, c.instance_id) for c in cmds] == [(FlipAction.SWITCH, "p0")]
+    assert fp.state("p0") is InstanceState.FLIPPING
+    rec = fp.on_switched("p0", now=6.007)
+    assert fp.role("p0") is Role.DECODE and fp.state("p0") is InstanceState.ACTIVE
+    assert rec.drain_s == pytest.approx(5.0) and rec.switch_s == pytest.approx(0.007)
+    assert rec.total_s == pytest.approx(5.007) and fp.records == [rec]
+    # Prefill p1 is the only prefill instance left: never flipped.
+    for t in range(7, 30):
+        assert all(c.instance_id != "p1" for c in fp.observe(cluster(0.0, 0.95), now=float(t)))
+
+
+def test_no_flip_when_other_role_is_not_loaded_or_load_returns() -> None:
+    fp = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0, busy_threshold=0.5))
+    for t in range(10):
+        assert fp.observe(cluster(0.0, 0.2), now=float(t)) == []  # decode not loaded
+    fp2 = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0))
+    assert fp2.observe(cluster(0.0, 0.9), now=0.0) == []
+    assert fp2.observe(cluster(0.5, 0.9), now=0.6) == []  # load came back: timer resets
+    assert fp2.observe(cluster(0.0, 0.9), now=1.2) == []
+    assert [c.instance_id for c in fp2.observe(cluster(0.0, 0.9), now=2.2)] == ["p0"]
+
+
+def test_decode_to_prefill_and_cooldown_and_concurrency() -> None:
+    fp = FlipPolicy(FlipConfig(window_s=0.0, cooldown_s=10.0, max_concurrent=1))
+    reports = [rep("p0", Role.PREFILL, 1.0, queued=40), rep("d0", Role.DECODE, 0.0), rep("d1", Role.DECODE, 0.0),
+               rep("d2", Role.DECODE, 0.0)]
+    cmds = fp.observe(reports, now=0.0)
+    assert [(c.instance_id, c.to_role) for c in cmds] == [("d0", Role.PREFILL)]  # one at a time
+    assert fp.observe(reports, now=0.1)[0].action is FlipAction.SWITCH  # d0 was empty
+    assert fp.observe(reports, now=0.2) == []  # max_concurrent: d0 still flipping
+    fp.on_switched("d0", now=0.3)
+    assert fp.num_active(Role.PREFILL) == 2 and fp.num_active(Role.DECODE) == 2
+    reports2 = [rep("p0", Role.PREFILL, 1.0), rep("d0", Role.PREFILL, 0.0), rep("d1", Role.DECODE, 0.0),
+                rep("d2", Role.DECODE, 0.0)]
+    cmds = fp.observe(reports2, now=1.0)
+    # d0 (now prefill) is idle but cooling down; the prefill side (mean load 0.5) is still loaded, so the
+    # idle decode d1 flips next, while d2 stays: never the last decode instance.
+    assert [c.instance_id for c in cmds if c.action is FlipAction.DRAIN] == ["d1"]
+    with pytest.raises(ValueError, match="not flipping"):
+        fp.on_switched("d2", now=2.0)
+
+
+def test_disabled_and_validation() -> None:
+    fp = FlipPolicy(FlipConfig(enabled=False, window_s=0.0))
+    assert fp.observe(cluster(0.0, 1.0), now=0.0) == [] and fp.observe(cluster(0.0, 1.0), now=5.0) == []
+    with pytest.raises(ValueError, match="threshold"):
+        FlipConfig(threshold=0.0)
+    with pytest.raises(ValueError, match="min_per_role"):
+        FlipConfig(min_per_role=0)

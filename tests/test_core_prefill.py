@@ -1,0 +1,291 @@
+"""Prefill scheduler: FCFS/SJF/LJF order, PrefillSchedBatch starvation bound, SRTF, chunking, release."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.prefill_policy import PrefillPolicy
+from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig, PrefillStepUpdate
+from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
+
+
+def make_req(rid: str, n_prompt: int, max_tokens: int = 8) -> Request:
+    return Request(rid, [3 + i % 50 for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens))
+
+
+def step(sched: PrefillScheduler) -> tuple[SchedulerOutput, PrefillStepUpdate]:
+    out = sched.schedule()
+    res = StepResult(out.step_id, {s.request_id: 7 for s in out.segments if s.sample})
+    return out, sched.update(out, res)
+
+
+def run_until_empty(sched: PrefillScheduler, max_steps: int = 1000) -> list[str]:
+    order: list[str] = []
+    for _ in range(max_steps):
+        if not sched.queue:
+            break
+        out, upd = step(sched)
+        for r in upd.prefilled:
+            order.append(r.request_id)
+            sched.release(r.request_id)
+    return order
+
+
+def sched_with(policy: str, batch: int = 16, chunk: int = 64, blocks: int = 1000) -> PrefillScheduler:
+    cfg = PrefillSchedulerConfig(policy=policy, prefill_sched_batch=batch, chunk_size=chunk)
+    return PrefillScheduler(cfg, KVCacheManager(blocks, 16))
+
+
+LENS = {"r0": 300, "r1": 50, "r2": 500, "r3": 120}
+
+
+@pytest.mark.parametrize(
+    "policy,expected",
+    [
+        ("fcfs", ["r0", "r1", "r2", "r3"]),
+        ("sjf", ["r1", "r3", "r0", "r2"]),
+        ("ljf", ["r2", "r0", "r3", "r1"]),
+        ("srtf", ["r1", "r3", "r0", "r2"]),
+    ],
+)
+def test_policy_order(policy: str, expected: list[str]) -> None:
+    sched = sched_with(policy)
+    for rid, n in LENS.items():
+        sched.add_request(make_req(rid, n))
+    assert run_until_empty(sched) == expected
+    sched.check_invariants()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_every_chunk_is_exactly_chunk_size_and_prompt_only() -> None:
+    sched = sched_with("fcfs", chunk=64)
+    for rid, n in LENS.items():
+        sched.add_request(make_req(rid, n))
+    total = 0
+    while sched.queue:
+        out, upd = step(sched)
+        assert out.kind is StepKind.PREFILL
+        assert out.num_scheduled_tokens + out.num_padding_tokens == 64
+        for seg in out.segments:
+            assert seg.end <= LENS[seg.request_id]  # prompt tokens only
+        total += out.num_scheduled_tokens
+        for r in upd.prefilled:
+            sched.release(r.request_id)
+    assert total == sum(LENS.values())
+    # Slicing and merging: the last chunk of r0 (300 = 4*64 + 44) shares its chunk with r1.
+    assert sched.schedule().kind is StepKind.IDLE
+
+
+def test_sched_batch_bounds_starvation_for_late_short_arrivals() -> None:
+    sched = sched_with("sjf", batch=2, chunk=32)
+    sched.add_request(make_req("long", 200))
+    sched.add_request(make_req("mid", 100))
+    out, _ = step(sched)  # batch {long, mid} formed and sorted: mid first
+    assert [s.request_id for s in out.segments] == ["mid"]
+    for i in range(5):  # short requests keep arriving after the batch was formed
+        sched.add_request(make_req(f"short{i}", 10))
+    order = run_until_empty(sched)
+    assert order.index("long") < min(order.index(f"short{i}") for i in range(5))
+    assert order[:2] == ["mid", "long"]
+
+
+def test_without_batch_bound_sjf_would_starve() -> None:
+    """Control for the test above: with a huge batch the late short requests do overtake."""
+    sched = sched_with("sjf", batch=1000, chunk=32)
+    sched.add_request(make_req("long", 200))
+    for i in range(5):
+        sched.add_request(make_req(f"short{i}", 10))
+    order = run_until_empty(sched)
+    assert order[-1] == "long"
+
+
+def test_srtf_preempts_at_chunk_boundary_and_aging_bounds_passing() -> None:
+    sched = sched_with("srtf", batch=3, chunk=16)
+    sched.add_request(make_req("long", 64))
+    out, _ = step(sched)
+    assert [s.request_id for s in out.segments] == ["long"]
+    served_after_long = 0
+    for i in range(10):
+        sched.add_request(make_req(f"s{i}", 16))
+        out, upd = step(sched)
+        ids = [s.request_id for s in out.segments]
+        for r in upd.prefilled:
+            sched.release(r.request_id)
+        if "long" in ids:
+            break
+        served_after_long += 1
+    assert served_after_long == 3  # passed over exactly prefill_sched_batch times, then urgent
+    assert sched.queue.passed_over("long") == 3
+
+
+def test_prefilled_request_keeps_blocks_until_release() -> None:
+    sched = sched_with("fcfs", chunk=64, blocks=20)
+    sched.add_request(make_req("a", 40))
+    _, upd = step(sched)
+    assert [r.request_id for r in upd.prefilled] == ["a"]
+    req = upd.prefilled[0]
+    assert req.status is RequestStatus.RUNNING and req.num_output_tokens == 1
+    assert req.num_computed_tokens == req.num_tokens - 1
+    assert sched.kv.num_blocks_of("a") == 3
+    assert sched.load_report("p0", now=1.0).num_running == 1
+    assert sched.release("a") == 3
+    assert sched.kv.num_free_blocks == 20 and not sched.has_unfinished()
+    with pytest.raises(KeyError):
+        sched.release("a")
+
+
+def test_first_token_can_finish_a_request_at_prefill() -> None:
+    sched = sched_with("fcfs")
+    sched.add_request(make_req("one", 10, max_tokens=1))
+    _, upd = step(sched)
+    assert not upd.prefilled and [r.status for r in upd.finished] == [RequestStatus.FINISHED_LENGTH]
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_require_prediction_holds_handover_until_predicted() -> None:
+    cfg = PrefillSchedulerConfig(chunk_size=64, require_prediction=True)
+    sched = PrefillScheduler(cfg, KVCacheManager(100, 16))
+    sched.add_request(make_req("a", 30))
+    sched.add_request(make_req("b", 30))
+    assert sched.set_prediction("b", 1, 200, 400) is None  # predicted before prefill ends
+    _, upd = step(sched)
+    assert [r.request_id for r in upd.prefilled] == ["b"]
+    ready = sched.set_prediction("a", 0, 0, 200)
+    assert ready is not None and ready.request_id == "a" and ready.predicted_lower == 0
+
+
+def test_memory_stall_waits_for_release_then_progresses() -> None:
+    sched = sched_with("fcfs", chunk=32, blocks=4)  # 64 tokens of KV
+    sched.add_request(make_req("a", 60))
+    sched.add_request(make_req("b", 20))
+    _, upd = step(sched)
+    _, upd = step(sched)
+    assert [r.request_id for r in upd.prefilled] == ["a"]
+    out = sched.schedule()  # a holds the blocks until released: nothing fits
+    assert out.kind is StepKind.IDLE
+    sched.release("a")
+    assert run_until_empty(sched) == ["b"]
+
+
+def test_partial_holders_give_way_instead_of_deadlocking() -> None:
+    sched = sched_with("fcfs", chunk=16, blocks=4)  # 64 tokens of KV
+    sched.add_request(make_req("a", 60))
+    sched.add_request(make_req("b", 60))
+    order = run_until_empty(sched, max_steps=50)
+    assert order == ["a", "b"]
+    sched.check_invariants()
+
+
+def test_add_request_validates() -> None:
+    sched = sched_with("fcfs", blocks=2)
+    with pytest.raises(ValueError, match="cannot fit"):
+        sched.add_request(make_req("big", 100))
+    with pytest.raises(ValueError, match="unknown prefill policy"):
+        PrefillSchedulerConfig(policy="lifo")
+    with pytest.raises(ValueError, match="prefill_sched_batch"):
+        PrefillSchedulerConfig(prefill_sched_batch=0)
+
+
+# ---- property test -------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(list(PrefillPolicy)),
+    batch=st.integers(1, 5),
+    chunk=st.sampled_from([8, 16, 48]),
+    blocks=st.integers(8, 40),
+    lens=st.lists(st.integers(1, 120), min_size=1, max_size=14),
+    seed=st.integers(0, 10_000),
+)
+def test_property_prefill(
+    policy: PrefillPolicy, batch: int, chunk: int, blocks: int, lens: list[int], seed: int
+) -> None:
+    rng = random.Random(seed)
+    block_size = 4
+    sched = PrefillScheduler(
+        PrefillSchedulerConfig(policy=policy, prefill_sched_batch=batch, chunk_size=chunk, max_model_len=4096),
+        KVCacheManager(blocks, block_size),
+    )
+    lens = [min(n, blocks * block_size) for n in lens]
+    arrivals = sorted(rng.randrange(0, 3 * len(lens)) for _ in lens)
+    arrival_idx = {f"r{i}": i for i in range(len(lens))}
+    ended: dict[str, int] = {}
+    first_step: dict[str, int] = {}
+    last_step: dict[str, int] = {}
+    batch_of: dict[str, int] = {}
+    passed: dict[str, int] = {}
+    pending_release: list[tuple[int, str]] = []
+    nxt = 0
+    step_no = 0
+    bound = 20 * (sum(lens) // chunk + len(lens) + 5)
+    while nxt < len(lens) or sched.has_unfinished():
+        step_no += 1
+        assert step_no < bound, "no progress: deadlock"
+        while nxt < len(lens) and arrivals[nxt] <= step_no:
+            sched.add_request(make_req(f"r{nxt}", lens[nxt], max_tokens=rng.choice([1, 4])))
+            nxt += 1
+        queued = [r.request_id for r in sched.queue.requests()]
+        out, upd = step(sched)
+        sched.check_invariants()
+        assert sched.kv.num_free_blocks + sched.kv.num_used_blocks == blocks
+        served = [s.request_id for s in out.segments]
+        if served:
+            assert out.num_scheduled_tokens + out.num_padding_tokens == chunk
+        for rid in served:
+            first_step.setdefault(rid, step_no)
+            last_step[rid] = step_no
+            b = sched.queue.batch_index(rid)
+            if b is not None:
+                batch_of[rid] = b
+        newest = max((arrival_idx[i] for i in served), default=-1)
+        for rid in queued:
+            if rid not in served and arrival_idx[rid] < newest:
+                passed[rid] = passed.get(rid, 0) + 1
+        for r in list(upd.prefilled) + list(upd.finished):
+            assert r.request_id not in ended, "a request ended twice"
+            ended[r.request_id] = step_no
+        for r in upd.prefilled:
+            pending_release.append((step_no + rng.randrange(0, 3), r.request_id))
+        for due, rid in list(pending_release):
+            if due <= step_no:
+                sched.release(rid)
+                pending_release.remove((due, rid))
+        if not sched.queue and pending_release:
+            for _, rid in pending_release:
+                sched.release(rid)
+            pending_release.clear()
+    assert set(ended) == set(arrival_idx)
+    assert sched.kv.num_free_blocks == blocks
+    if policy is PrefillPolicy.SRTF:
+        assert max(passed.values(), default=0) <= batch
+    else:
+        # Batches are formed in arrival order and served in formation order: a request is never
+        # overtaken by one from a later batch (which includes everything that arrived after its batch).
+        for r, br in batch_of.items():
+            for s, bs in batch_of.items():
+                if arrival_idx[s] > arrival_idx[r]:
+                    assert bs >= br
+                if bs > br:
+                    assert first_step[s] >= last_step[r], f"{s} (batch {bs}) overtook {r} (batch {br})"
+
+
+def test_abort_queued_inflight_and_handed_over() -> None:
+    sched = sched_with("fcfs", chunk=16, blocks=20)
+    for rid in ("a", "b", "c"):
+        sched.add_request(make_req(rid, 20))
+    out = sched.schedule()  # a's first 16 tokens
+    assert sched.abort("a") is not None
+    upd = sched.update(out, StepResult(out.step_id, {}))
+    assert not upd.prefilled and sched.kv.num_blocks_of("a") == 0
+    _, upd = step(sched)
+    _, upd = step(sched)
+    assert [r.request_id for r in upd.prefilled] == ["b"]
+    assert sched.abort("b") is not None and sched.abort("c") is not None
+    assert sched.kv.num_free_blocks == 20 and not sched.has_unfinished()
+    assert set(sched.schedule().finished_request_ids) == {"b", "c"}

@@ -1,0 +1,274 @@
+"""Colocated schedulers for the baselines: vLLM-style and Sarathi-Serve. Same interface as
+``LocalScheduler`` (``add_request``, ``schedule``, ``update -> StepUpdate``, ``abort``, ``finish``).
+
+Lifecycle: WAITING -> (prefill) -> RUNNING -> FINISHED_*; under KV pressure a RUNNING request may be
+PREEMPTED by recompute (blocks freed, re-prefilled later as prompt + outputs, ahead of new arrivals).
+
+- ``VLLMScheduler`` (the paper's baseline): prefill first. A step is either a prefill of whole waiting
+  prompts, in arrival order, up to ``max_num_batched_tokens`` (a single prompt longer than the budget
+  still runs alone), or one decode token for every running request.
+- ``SarathiScheduler`` (stall-free batching): every step first schedules one decode token for every
+  running request (oldest first, within the budget), then fills the rest of the token budget with
+  chunks of waiting prompts in arrival order (unpadded). Kind MIXED when both are present.
+
+Invariants: never allocates beyond the pool; running <= ``max_num_seqs``; when a decode needs a block
+and none is free, a partially prefilled waiting request gives its blocks back first, then the youngest
+running request is preempted; the oldest running request progresses unless it alone exceeds the pool
+(then it finishes with FINISHED_LENGTH). Every finished request's blocks are freed when it finishes, and every ending except ``abort`` is
+reported in some ``update``'s ``finished`` (also those ``schedule()`` ended with FINISHED_LENGTH).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tetriinfer.core.chunking import build_chunk
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.local_scheduler import StepUpdate, _segment
+from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
+
+
+@dataclass(frozen=True)
+class ColocatedSchedulerConfig:
+    max_num_batched_tokens: int = 2048  # vLLM: prefill budget; Sarathi: the hybrid step's token budget
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+class _ColocatedBase:
+    """Queues, finishing, preemption and result handling shared by both colocated policies."""
+
+    def __init__(self, config: ColocatedSchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: index 0 is the oldest
+        self.requests: dict[str, Request] = {}
+        self._step_id = 0
+        self._finished_since_last: list[str] = []
+        self._ended_in_schedule: list[Request] = []  # reported by the next ``update``
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of request {req.request_id!r} has {req.num_prompt_tokens} tokens; the model's "
+                f"context is {self.config.max_model_len} tokens (prompt + at least one output token)"
+            )
+        if self.kv.pool.blocks_for_tokens(req.num_prompt_tokens + 1) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt of request {req.request_id!r} ({req.num_prompt_tokens} tokens) cannot fit in the "
+                f"KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+            )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        assert status.finished
+        req.status = status
+        self.kv.free_request(req.request_id)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        del self.requests[req.request_id]
+        self._finished_since_last.append(req.request_id)
+
+    def _end_in_schedule(self, req: Request) -> None:
+        self._finish(req, RequestStatus.FINISHED_LENGTH)
+        self._ended_in_schedule.append(req)
+
+    def _release_partial(self, req: Request) -> bool:
+        """Free a waiting request's partial prefill (recomputed later). True if it held blocks."""
+        if not self.kv.num_blocks_of(req.request_id):
+            return False
+        self.kv.free_request(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free_request(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _decode_running(self, limit: int) -> tuple[list[Request], list[str]]:
+        """Allocate one more token for up to ``limit`` running requests, oldest first, freeing blocks
+        (partial prefills, then the youngest running request) when none are free."""
+        scheduled: list[Request] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and len(scheduled) < limit:
+            req = self.running[i]
+            if self.kv.allocate_slots(req.request_id, req.num_tokens):
+                scheduled.append(req)
+                i += 1
+                continue
+            if any(self._release_partial(w) for w in reversed(self.waiting)):
+                continue
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                self._end_in_schedule(req)  # context larger than the whole pool
+                continue
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return scheduled, preempted
+
+    def _segments(self, reqs: list[Request]) -> list[ScheduledSegment]:
+        return [
+            _segment(r, r.num_computed_tokens, r.num_uncomputed_tokens, self.kv.block_table(r.request_id))
+            for r in reqs
+        ]
+
+    def _output(
+        self, kind: StepKind, segments: list[ScheduledSegment], preempted: list[str] | None = None,
+    ) -> SchedulerOutput:
+        finished = tuple(self._finished_since_last)
+        self._finished_since_last.clear()
+        return SchedulerOutput(
+            step_id=self._step_id,
+            kind=kind if segments else StepKind.IDLE,
+            segments=tuple(segments),
+            preempted_request_ids=tuple(preempted or ()),
+            finished_request_ids=finished,
+        )
+
+    def update(self, output: SchedulerOutput, result: StepResult) -> StepUpdate:
+        new_tokens: dict[str, int] = {}
+        finished: list[Request] = list(self._ended_in_schedule)
+        self._ended_in_schedule.clear()
+        for seg in output.segments:
+            req = self.requests.get(seg.request_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = seg.end
+            if not seg.sample:
+                continue
+            token = result.sampled_token_ids[seg.request_id]
+            req.append_output(token, result.logprobs.get(seg.request_id))
+            new_tokens[req.request_id] = token
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.waiting.remove(req)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            stop = req.check_stop()
+            if stop is None and req.num_tokens >= self.config.max_model_len:
+                stop = RequestStatus.FINISHED_LENGTH
+            if stop is not None:
+                self._finish(req, stop)
+                finished.append(req)
+        return StepUpdate(new_tokens, tuple(finished))
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more than max_num_seqs running")
+        ids = [r.request_id for r in self.waiting] + [r.request_id for r in self.running]
+        if len(ids) != len(set(ids)) or set(ids) != set(self.requests):
+            raise AssertionError("requests table disagrees with waiting + running")
+
+
+class VLLMScheduler(_ColocatedBase):
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        cfg = self.config
+        batch: list[Request] = []
+        tokens = 0
+        for req in self.waiting:
+            if len(self.running) + len(batch) >= cfg.max_num_seqs:
+                break
+            n = req.num_uncomputed_tokens
+            if batch and tokens + n > cfg.max_num_batched_tokens:
+                break
+            if not self.kv.allocate_slots(req.request_id, req.num_tokens):
+                if not batch and not self.running and not self.kv.num_used_blocks:
+                    self._end_in_schedule(req)  # can never fit the pool
+                break
+            batch.append(req)
+            tokens += n
+        if batch:
+            return self._output(StepKind.PREFILL, self._segments(batch))
+        scheduled, preempted = self._decode_running(cfg.max_num_seqs)
+        return self._output(StepKind.DECODE, self._segments(scheduled), preempted)
+
+
+class SarathiScheduler(_ColocatedBase):
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        cfg = self.config
+        scheduled, preempted = self._decode_running(cfg.max_num_batched_tokens)
+        segments = self._segments(scheduled)
+        budget = cfg.max_num_batched_tokens - len(scheduled)
+        slots = cfg.max_num_seqs - len(self.running)
+        n_prefill = 0
+        if budget > 0 and slots > 0 and self.waiting:
+            candidates = [(r.request_id, r.num_computed_tokens, r.num_uncomputed_tokens) for r in self.waiting]
+            chunk = build_chunk(candidates[:slots], budget, admit=self._admit, pad=False)
+            if not chunk.slices and not self.running:
+                # Partial prefills hold every block and nothing runs: free the youngest holders.
+                for victim in list(reversed(self.waiting))[:-1]:
+                    if self._release_partial(victim):
+                        chunk = build_chunk(candidates[:1], budget, admit=self._admit, pad=False)
+                        if chunk.slices:
+                            break
+                if not chunk.slices and not self.kv.num_used_blocks:
+                    self._end_in_schedule(self.waiting[0])  # can never fit
+            for s in chunk.slices:
+                req = self.requests[s.request_id]
+                segments.append(_segment(req, s.start, s.num_tokens, self.kv.block_table(s.request_id)))
+            n_prefill = len(chunk.slices)
+        if n_prefill and scheduled:
+            kind = StepKind.MIXED
+        else:
+            kind = StepKind.PREFILL if n_prefill else StepKind.DECODE
+        return self._output(kind, segments, preempted)
+
+    def _admit(self, request_id: str, start: int, n: int) -> int:
+        if self.kv.allocate_slots(request_id, start + n):
+            return n
+        fit = (self.kv.num_blocks_of(request_id) + self.kv.num_free_blocks) * self.kv.block_size - start
+        if fit <= 0:
+            return 0
+        ok = self.kv.allocate_slots(request_id, start + fit)
+        assert ok
+        return fit
+
+
+def make_colocated_scheduler(
+    kind: str, config: ColocatedSchedulerConfig, kv: KVCacheManager,
+) -> VLLMScheduler | SarathiScheduler:
+    """``kind``: ``vllm`` or ``sarathi``."""
+    if kind == "vllm":
+        return VLLMScheduler(config, kv)
+    if kind == "sarathi":
+        return SarathiScheduler(config, kv)
+    raise ValueError(f"unknown colocated scheduler {kind!r}; choose 'vllm' or 'sarathi'")

@@ -1,0 +1,402 @@
+"""Scheduler of one decode instance: admission by predicted memory, continuous-batching decode.
+
+Request lifecycle (disaggregated mode) and the part this module owns:
+arrive -> queued at prefill -> predicted -> chunks prefilled -> dispatched: **``reserve`` (blocks
+allocated here before any byte moves) -> KV transferring -> ``on_kv_received`` (runnable) -> decoding
+-> finished | aborted**; a failed transfer is ``transfer_failed`` (blocks freed, request handed back to
+the caller to retry or re-prefill).
+
+A request arrives prefilled: its first token is sampled, ``num_computed_tokens == num_tokens - 1``.
+
+Admission (``reserve``), with *target* = blocks for ``prompt + predicted output`` (bucket bound per
+``prediction_bound``; ``max_tokens`` without a prediction) and *committed* = blocks that admitted
+requests were promised but do not hold yet:
+- ``greedy`` (vLLM): admit if the blocks for the current context are free; no reservation.
+- ``reserve-static``: admit only if target <= free - committed; the target is allocated at once.
+- ``reserve-dynamic``: admit if target <= free - committed, or if it will fit once the running request
+  with the shortest predicted remaining output finishes (target <= free - committed + its blocks);
+  it then holds what fits now and is committed the rest.
+Every policy refuses while ``max_num_seqs`` requests are running or reserved, or while preempted
+requests wait (they resume first).
+
+Decode steps: every running request (oldest first) computes its next token; a request that needs a
+block takes a free one (growing within, or *extending*, its reservation); when none is free the
+youngest running request is preempted: ``recompute`` frees its blocks and later re-prefills prompt +
+outputs here as one prefill segment; ``swap`` frees its blocks after the executor copies them to host
+memory (``SchedulerOutput.swapped_out``) and copies them back on resume (``swapped_in``).
+
+Invariants: never more blocks than the pool (allocation is all-or-nothing); running + reserved <=
+``max_num_seqs``; the oldest running request always progresses or is the last holder and its context
+exceeds the pool (then it finishes with FINISHED_LENGTH): no deadlock; every block of a request is
+freed exactly once (finish, abort, preemption, transfer failure).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.load import DEFAULT_HEAVY_DECODE_TOKENS, InstanceState, LoadReport, Role, is_heavy_decode
+from tetriinfer.core.local_scheduler import _segment
+from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
+
+
+class DecodePolicy(enum.Enum):
+    GREEDY = "greedy"
+    RESERVE_STATIC = "reserve-static"
+    RESERVE_DYNAMIC = "reserve-dynamic"
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(frozen=True)
+class DecodeSchedulerConfig:
+    policy: DecodePolicy | str = DecodePolicy.GREEDY
+    preemption: PreemptionMode | str = PreemptionMode.RECOMPUTE
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    prediction_bound: str = "lower"  # which end of the predicted bucket sizes a reservation
+    max_recompute_tokens: int = 2048  # recompute-prefill tokens per step (at least one request always)
+    heavy_decode_tokens: int = DEFAULT_HEAVY_DECODE_TOKENS
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "policy", DecodePolicy(self.policy))
+        except ValueError:
+            names = ", ".join(p.value for p in DecodePolicy)
+            raise ValueError(f"unknown decode policy {self.policy!r}; choose one of: {names}") from None
+        try:
+            object.__setattr__(self, "preemption", PreemptionMode(self.preemption))
+        except ValueError:
+            raise ValueError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}") from None
+        if self.prediction_bound not in ("lower", "upper"):
+            raise ValueError(f"prediction_bound must be 'lower' or 'upper', got {self.prediction_bound!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_recompute_tokens < 1:
+            raise ValueError(f"max_recompute_tokens must be >= 1, got {self.max_recompute_tokens}")
+
+
+@dataclass(frozen=True)
+class DecodeStepUpdate:
+    """``finished`` also lists requests the preceding ``schedule()`` ended (FINISHED_LENGTH when a
+    context outgrew the whole pool), so every ending except ``abort`` is reported by some update."""
+
+    new_tokens: dict[str, int]
+    finished: tuple[Request, ...]
+
+
+class DecodeScheduler:
+    def __init__(self, config: DecodeSchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.reserved: dict[str, Request] = {}  # awaiting KV, in reservation order
+        self.running: list[Request] = []  # admission order: index 0 is the oldest
+        self.suspended: deque[Request] = deque()  # preempted (recompute or swapped), resume FIFO
+        self.requests: dict[str, Request] = {}
+        self._target: dict[str, int] = {}  # reservation target in blocks
+        self._swapped: set[str] = set()
+        self._step_id = 0
+        self._finished_since_last: list[str] = []
+        self._ended_in_schedule: list[Request] = []  # reported by the next ``update``
+        self.num_extensions = 0  # reservations grown past their target (mispredictions)
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------------
+    def predicted_output_tokens(self, req: Request) -> int:
+        bound = req.predicted_lower if self.config.prediction_bound == "lower" else req.predicted_upper
+        pred = req.sampling_params.max_tokens if bound is None else bound
+        return max(1, min(pred, req.sampling_params.max_tokens))
+
+    def target_blocks(self, req: Request) -> int:
+        total = min(req.num_prompt_tokens + self.predicted_output_tokens(req), self.config.max_model_len)
+        want = max(self.kv.pool.blocks_for_tokens(total), self.kv.pool.blocks_for_tokens(req.num_tokens))
+        return min(want, self.kv.num_blocks)  # a reservation larger than the pool could never be granted
+
+    def committed_blocks(self) -> int:
+        """Blocks promised to running or reserved requests beyond what they hold."""
+        ids = [r.request_id for r in self.running] + list(self.reserved)
+        return sum(max(0, self._target[r] - self.kv.num_blocks_of(r)) for r in ids)
+
+    def _blocks_after_shortest(self) -> int:
+        """Blocks the running request with the shortest predicted remaining output will give back."""
+        if not self.running:
+            return 0
+
+        def remaining(r: Request) -> int:
+            return max(1, self.predicted_output_tokens(r) - r.num_output_tokens)
+
+        shortest = min(self.running, key=remaining)
+        return max(self._target[shortest.request_id], self.kv.num_blocks_of(shortest.request_id))
+
+    def reserve(self, req: Request) -> bool:
+        """Admit a prefilled request and allocate its blocks before its KV is transferred.
+
+        Returns False when the admission policy refuses (try later or elsewhere); raises ValueError if
+        the request can never run here (malformed, or its context exceeds the model or the pool)."""
+        rid = req.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if req.is_finished or not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            raise ValueError(f"request {rid!r} must arrive prefilled (first token sampled, context computed)")
+        if req.num_output_tokens >= req.sampling_params.max_tokens:
+            raise ValueError(f"request {rid!r} already has all its {req.num_output_tokens} output tokens")
+        if req.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {rid!r} ({req.num_tokens} tokens) fills the model context already")
+        now_blocks = self.kv.pool.blocks_for_tokens(req.num_tokens)
+        if now_blocks > self.kv.num_blocks:
+            raise ValueError(f"request {rid!r} ({req.num_tokens} tokens) cannot fit in this instance's KV cache")
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs or self.suspended:
+            return False
+        free = self.kv.num_free_blocks
+        if now_blocks > free:
+            return False
+        policy = self.config.policy
+        target = self.target_blocks(req)
+        avail = free - self.committed_blocks()
+        if policy is DecodePolicy.GREEDY:
+            target, take = now_blocks, now_blocks
+        elif policy is DecodePolicy.RESERVE_STATIC:
+            if target > avail:
+                return False
+            take = target
+        else:
+            if target <= avail:
+                take = target
+            elif target <= avail + self._blocks_after_shortest():
+                take = max(now_blocks, min(target, avail))
+            else:
+                return False
+        ok = self.kv.allocate_slots(rid, take * self.kv.block_size)
+        assert ok, "admission checked free blocks"
+        self._target[rid] = target
+        req.status = RequestStatus.WAITING
+        self.reserved[rid] = req
+        self.requests[rid] = req
+        return True
+
+    def on_kv_received(self, request_id: str) -> None:
+        """The request's K/V is in its reserved blocks: it decodes from the next step on."""
+        req = self.reserved.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not reserved at this decode instance")
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def transfer_failed(self, request_id: str) -> Request:
+        """Free a reserved request's blocks and hand it back (retry elsewhere or re-prefill)."""
+        req = self.reserved.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not reserved at this decode instance")
+        self.kv.free_request(request_id)
+        del self._target[request_id]
+        del self.requests[request_id]
+        return req
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.kv.block_table(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- finishing -----------------------------------------------------------------------
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        assert status.finished
+        rid = req.request_id
+        req.status = status
+        self.kv.free_request(rid)
+        self.reserved.pop(rid, None)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.suspended:
+            self.suspended.remove(req)
+        self._swapped.discard(rid)
+        self._target.pop(rid, None)
+        del self.requests[rid]
+        self._finished_since_last.append(rid)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        swapped_in: list[tuple[str, tuple[int, ...]]] = []
+        swapped_out: list[tuple[str, tuple[int, ...]]] = []
+        preempted: list[str] = []
+        resumed = self._resume(swapped_in)
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if self.kv.allocate_slots(req.request_id, req.num_tokens):
+                if self.kv.num_blocks_of(req.request_id) > self._target[req.request_id]:
+                    self._target[req.request_id] = self.kv.num_blocks_of(req.request_id)
+                    self.num_extensions += 1
+                scheduled.append(req)
+                i += 1
+                continue
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1 and not self.reserved:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)  # context larger than the whole pool
+                self._ended_in_schedule.append(req)
+                continue
+            if victim.request_id in resumed:  # undo this step's resume instead of preempting
+                swapped_in[:] = [s for s in swapped_in if s[0] != victim.request_id]
+                self._suspend(victim, front=True, swap=resumed.pop(victim.request_id))
+                continue
+            if self.config.preemption is PreemptionMode.SWAP:
+                swapped_out.append((victim.request_id, tuple(self.kv.block_table(victim.request_id))))
+            self._suspend(victim, front=True, swap=self.config.preemption is PreemptionMode.SWAP)
+            self.num_preemptions += 1
+            victim.num_preemptions += 1
+            preempted.append(victim.request_id)
+        segments = tuple(
+            _segment(r, r.num_computed_tokens, r.num_uncomputed_tokens, self.kv.block_table(r.request_id))
+            for r in scheduled
+        )
+        n_prefill = sum(1 for s in segments if s.num_tokens > 1 or s.start == 0)
+        if not segments:
+            kind = StepKind.IDLE
+        elif n_prefill == 0:
+            kind = StepKind.DECODE
+        else:
+            kind = StepKind.PREFILL if n_prefill == len(segments) else StepKind.MIXED
+        finished = tuple(self._finished_since_last)
+        self._finished_since_last.clear()
+        return SchedulerOutput(
+            step_id=self._step_id,
+            kind=kind,
+            segments=segments,
+            preempted_request_ids=tuple(preempted),
+            finished_request_ids=finished,
+            swapped_out=tuple(swapped_out),
+            swapped_in=tuple(swapped_in),
+        )
+
+    def _resume(self, swapped_in: list[tuple[str, tuple[int, ...]]]) -> dict[str, bool]:
+        """Bring suspended requests back (FIFO) while seats, uncommitted blocks and the recompute
+        budget allow. Returns the ids resumed in this step -> whether each was swapped."""
+        resumed: dict[str, bool] = {}
+        budget = self.config.max_recompute_tokens
+        while self.suspended and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
+            req = self.suspended[0]
+            rid = req.request_id
+            need = self.kv.pool.blocks_for_tokens(req.num_tokens)
+            if need > self.kv.num_blocks or req.num_tokens >= self.config.max_model_len:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                self._ended_in_schedule.append(req)
+                continue
+            if need > self.kv.num_free_blocks - self.committed_blocks():
+                break
+            swapped = rid in self._swapped
+            if not swapped:
+                if req.num_uncomputed_tokens > budget and budget < self.config.max_recompute_tokens:
+                    break
+                budget -= req.num_uncomputed_tokens
+            ok = self.kv.allocate_slots(rid, req.num_tokens)
+            assert ok
+            self.suspended.popleft()
+            if swapped:
+                self._swapped.discard(rid)
+                n_cached = self.kv.pool.blocks_for_tokens(req.num_computed_tokens)
+                swapped_in.append((rid, tuple(self.kv.block_table(rid)[:n_cached])))
+            self._target[rid] = max(self._target[rid], need)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            resumed[rid] = swapped
+        return resumed
+
+    def _suspend(self, req: Request, front: bool, swap: bool) -> None:
+        """Take a running request out: free its blocks; recompute resets its progress, swap keeps it
+        (its K/V lives in host memory until ``swapped_in``)."""
+        self.running.remove(req)
+        self.kv.free_request(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        if swap:
+            self._swapped.add(req.request_id)
+        else:
+            req.num_computed_tokens = 0
+        if front:
+            self.suspended.appendleft(req)
+        else:
+            self.suspended.append(req)
+
+    # ---- results -------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, result: StepResult) -> DecodeStepUpdate:
+        new_tokens: dict[str, int] = {}
+        finished: list[Request] = list(self._ended_in_schedule)
+        self._ended_in_schedule.clear()
+        for seg in output.segments:
+            req = self.requests.get(seg.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = seg.end
+            if not seg.sample:
+                continue
+            token = result.sampled_token_ids[seg.request_id]
+            req.append_output(token, result.logprobs.get(seg.request_id))
+            new_tokens[req.request_id] = token
+            stop = req.check_stop()
+            if stop is None and req.num_tokens >= self.config.max_model_len:
+                stop = RequestStatus.FINISHED_LENGTH
+            if stop is not None:
+                self._finish(req, stop)
+                finished.append(req)
+        return DecodeStepUpdate(new_tokens, tuple(finished))
+
+    # ---- reporting -----------------------------------------------------------------------
+    def load_report(
+        self, instance_id: str, now: float, utilization: float = 0.0,
+        state: InstanceState = InstanceState.ACTIVE,
+    ) -> LoadReport:
+        heavy = sum(
+            1 for r in self.requests.values() if is_heavy_decode(r.predicted_lower, self.config.heavy_decode_tokens)
+        )
+        return LoadReport(
+            instance_id=instance_id,
+            role=Role.DECODE,
+            state=state,
+            time=now,
+            num_queued=len(self.reserved) + len(self.suspended),
+            num_running=len(self.running),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_used_blocks=self.kv.num_used_blocks,
+            block_size=self.kv.block_size,
+            tokens_in_flight=sum(r.num_tokens for r in self.running),
+            num_heavy_decodes=heavy,
+            num_light_decodes=len(self.requests) - heavy,
+            utilization=utilization,
+        )
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        ids_run = [r.request_id for r in self.running]
+        ids_sus = [r.request_id for r in self.suspended]
+        groups = [set(self.reserved), set(ids_run), set(ids_sus)]
+        if sum(len(g) for g in groups) != len(self.requests) or set().union(*groups) != set(self.requests):
+            raise AssertionError("requests table disagrees with reserved + running + suspended")
+        if len(self.running) + len(self.reserved) > self.config.max_num_seqs:
+            raise AssertionError("more than max_num_seqs requests running or reserved")
+        for rid in ids_sus:
+            if self.kv.num_blocks_of(rid):
+                raise AssertionError(f"suspended request {rid} holds blocks")
+        if set(self._target) != set(self.requests):
+            raise AssertionError("reservation targets disagree with the requests table")

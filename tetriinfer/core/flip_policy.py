@@ -1,0 +1,199 @@
+"""Instance flip policy and state machine (TetriInfer section 3.5), run by the cluster monitor.
+
+Roles are virtual: an instance switches between prefill and decode in place (no model reload).
+Per instance: ``ACTIVE(role) -> DRAINING -> FLIPPING -> ACTIVE(other role)``.
+
+- ``observe(reports, now)``: an ACTIVE instance whose load (``LoadReport.load``) has stayed below
+  ``threshold`` for ``window_s`` while the other role is loaded (mean load of the other role's ACTIVE
+  instances >= ``busy_threshold``) is chosen: a ``drain`` command is emitted and it becomes DRAINING.
+  DRAINING instances get no new work: ``annotate`` stamps the monitor's state on the reports it
+  broadcasts, so the global policy stops routing to a draining prefill instance and the dispatchers
+  stop sending to a draining decode instance. Once a DRAINING instance reports empty (nothing queued or
+  running, no KV block held: prefill queue drained and KV handed over; decodes finished), a ``switch``
+  command is emitted and it becomes FLIPPING.
+- ``on_switched(instance_id, now)``: the instance switched role; it is ACTIVE in its new role.
+
+Invariants: never flips an instance if fewer than ``min_per_role`` ACTIVE instances of its role would
+remain (never the last one); at most ``max_concurrent`` flips in progress; an instance flipped back to
+ACTIVE is not chosen again for ``cooldown_s``; every flip is recorded with its ``now`` timestamps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tetriinfer.core.load import InstanceState, LoadReport, Role
+
+
+@dataclass(frozen=True)
+class FlipConfig:
+    enabled: bool = True
+    threshold: float = 0.10
+    window_s: float = 1.0
+    busy_threshold: float = 0.5
+    cooldown_s: float = 5.0
+    max_concurrent: int = 1
+    min_per_role: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"flip threshold must be in (0, 1], got {self.threshold}")
+        if not 0.0 <= self.busy_threshold <= 1.0:
+            raise ValueError(f"busy_threshold must be in [0, 1], got {self.busy_threshold}")
+        if self.window_s < 0 or self.cooldown_s < 0:
+            raise ValueError("flip window_s and cooldown_s must be >= 0")
+        if self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+        if self.min_per_role < 1:
+            raise ValueError(f"min_per_role must be >= 1, got {self.min_per_role}")
+
+
+class FlipAction(enum.Enum):
+    DRAIN = "drain"  # stop routing to it; let it finish its work
+    SWITCH = "switch"  # it is empty: switch role now
+
+
+@dataclass(frozen=True)
+class FlipCommand:
+    action: FlipAction
+    instance_id: str
+    from_role: Role
+    to_role: Role
+    time: float
+
+
+@dataclass(frozen=True)
+class FlipRecord:
+    instance_id: str
+    from_role: Role
+    to_role: Role
+    decided_at: float
+    drained_at: float
+    switched_at: float
+
+    @property
+    def drain_s(self) -> float:
+        return self.drained_at - self.decided_at
+
+    @property
+    def switch_s(self) -> float:
+        return self.switched_at - self.drained_at
+
+    @property
+    def total_s(self) -> float:
+        return self.switched_at - self.decided_at
+
+
+class FlipPolicy:
+    """Owns each instance's role and flip state as the monitor sees it."""
+
+    def __init__(self, config: FlipConfig) -> None:
+        self.config = config
+        self._role: dict[str, Role] = {}
+        self._state: dict[str, InstanceState] = {}
+        self._low_since: dict[str, float] = {}
+        self._cooldown_until: dict[str, float] = {}
+        self._decided_at: dict[str, float] = {}
+        self._drained_at: dict[str, float] = {}
+        self.records: list[FlipRecord] = []
+
+    def role(self, instance_id: str) -> Role:
+        return self._role[instance_id]
+
+    def state(self, instance_id: str) -> InstanceState:
+        return self._state.get(instance_id, InstanceState.ACTIVE)
+
+    def num_active(self, role: Role) -> int:
+        return sum(1 for i, r in self._role.items() if r is role and self._state[i] is InstanceState.ACTIVE)
+
+    def annotate(self, reports: Sequence[LoadReport]) -> list[LoadReport]:
+        """The reports with the monitor's role and state stamped on them (what gets broadcast)."""
+        out = []
+        for r in reports:
+            if r.instance_id in self._role:
+                r = dataclasses.replace(r, role=self._role[r.instance_id], state=self._state[r.instance_id])
+            out.append(r)
+        return out
+
+    def observe(self, reports: Sequence[LoadReport], now: float) -> list[FlipCommand]:
+        cfg = self.config
+        commands: list[FlipCommand] = []
+        by_id = {r.instance_id: r for r in reports}
+        for r in reports:
+            if r.instance_id not in self._role:
+                self._role[r.instance_id] = r.role
+                self._state[r.instance_id] = InstanceState.ACTIVE
+        # DRAINING -> FLIPPING once the instance reports empty.
+        for iid, rep in by_id.items():
+            if self._state[iid] is InstanceState.DRAINING and rep.is_empty:
+                self._state[iid] = InstanceState.FLIPPING
+                self._drained_at[iid] = now
+                role = self._role[iid]
+                commands.append(FlipCommand(FlipAction.SWITCH, iid, role, role.other, now))
+        # Low-load timers of ACTIVE instances.
+        for iid, rep in by_id.items():
+            if self._state[iid] is InstanceState.ACTIVE and rep.load < cfg.threshold:
+                self._low_since.setdefault(iid, now)
+            else:
+                self._low_since.pop(iid, None)
+        if not cfg.enabled:
+            return commands
+        in_progress = sum(1 for s in self._state.values() if s is not InstanceState.ACTIVE)
+        while in_progress < cfg.max_concurrent:
+            pick = self._candidate(by_id, now)
+            if pick is None:
+                break
+            role = self._role[pick]
+            self._state[pick] = InstanceState.DRAINING
+            self._decided_at[pick] = now
+            self._low_since.pop(pick, None)
+            commands.append(FlipCommand(FlipAction.DRAIN, pick, role, role.other, now))
+            in_progress += 1
+        return commands
+
+    def _other_role_loaded(self, role: Role, by_id: dict[str, LoadReport]) -> bool:
+        loads = [
+            rep.load for iid, rep in by_id.items()
+            if self._role[iid] is role.other and self._state[iid] is InstanceState.ACTIVE
+        ]
+        return bool(loads) and sum(loads) / len(loads) >= self.config.busy_threshold
+
+    def _candidate(self, by_id: dict[str, LoadReport], now: float) -> str | None:
+        cfg = self.config
+        eligible = []
+        for iid, since in self._low_since.items():
+            if iid not in by_id or self._state[iid] is not InstanceState.ACTIVE:
+                continue
+            role = self._role[iid]
+            if now - since < cfg.window_s or now < self._cooldown_until.get(iid, float("-inf")):
+                continue
+            if self.num_active(role) - 1 < cfg.min_per_role:
+                continue
+            if not self._other_role_loaded(role, by_id):
+                continue
+            eligible.append((since, iid))
+        return min(eligible)[1] if eligible else None
+
+    def on_switched(self, instance_id: str, now: float) -> FlipRecord:
+        """The instance finished switching role in place; it is ACTIVE in its new role."""
+        if self.state(instance_id) is not InstanceState.FLIPPING:
+            raise ValueError(f"instance {instance_id!r} is not flipping (state {self.state(instance_id).value})")
+        old = self._role[instance_id]
+        self._role[instance_id] = old.other
+        self._state[instance_id] = InstanceState.ACTIVE
+        self._cooldown_until[instance_id] = now + self.config.cooldown_s
+        self._low_since.pop(instance_id, None)
+        record = FlipRecord(
+            instance_id, old, old.other, self._decided_at.pop(instance_id), self._drained_at.pop(instance_id), now
+        )
+        self.records.append(record)
+        return record
+
+    def remove(self, instance_id: str) -> None:
+        """Forget an instance (removed from the cluster)."""
+        for table in (self._role, self._state, self._low_since, self._cooldown_until, self._decided_at,
+                      self._drained_at):
+            table.pop(instance_id, None)

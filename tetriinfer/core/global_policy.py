@@ -1,0 +1,178 @@
+"""Global scheduler's pure policy: the request status table and prefill routing.
+
+Request lifecycle as the global scheduler tracks it (``Phase``):
+ARRIVED -> PREFILL (routed to a prefill instance: queued, predicted, chunks prefilled) -> DECODE
+(dispatched to a decode instance: KV transferring, then decoding) -> FINISHED | ABORTED | FAILED.
+
+Routing: each request goes to the least-loaded ACTIVE prefill instance (draining or flipping
+instances are skipped). Load = prompt tokens still to prefill from the instance's latest report plus
+the tokens this policy routed there after that report was built (so a burst between two reports is
+spread instead of piling onto one instance); ties by instance id.
+
+Invariants: a request id is added once; phases only move forward; every request reaches exactly one
+terminal phase (a second terminal transition is refused); nothing reads a clock (``now`` is passed).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tetriinfer.core.load import LoadReport, Role, accepting, load_key
+
+
+class Phase(enum.Enum):
+    ARRIVED = "arrived"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.FINISHED, Phase.ABORTED, Phase.FAILED)
+
+
+@dataclass
+class RequestRecord:
+    """One row of the status table; mutated only by ``GlobalPolicy``."""
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    phase: Phase = Phase.ARRIVED
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def jct(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    def meets_slo(self) -> bool:
+        """Finished and within both SLOs (an unset SLO always holds)."""
+        if self.phase is not Phase.FINISHED:
+            return False
+        if self.ttft_slo_s is not None and (self.ttft is None or self.ttft > self.ttft_slo_s):
+            return False
+        tpot = self.tpot
+        return self.tpot_slo_s is None or tpot is None or tpot <= self.tpot_slo_s
+
+
+class GlobalPolicy:
+    def __init__(self) -> None:
+        self._table: dict[str, RequestRecord] = {}
+        self._routed: dict[str, list[tuple[float, int]]] = {}  # instance -> (routed at, tokens)
+
+    def add(
+        self, request_id: str, now: float, num_prompt_tokens: int,
+        ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+    ) -> RequestRecord:
+        if request_id in self._table:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+        rec = RequestRecord(request_id, now, num_prompt_tokens, ttft_slo_s, tpot_slo_s)
+        self._table[request_id] = rec
+        return rec
+
+    def get(self, request_id: str) -> RequestRecord:
+        return self._table[request_id]
+
+    def records(self) -> list[RequestRecord]:
+        return list(self._table.values())
+
+    def active(self) -> list[RequestRecord]:
+        return [r for r in self._table.values() if not r.phase.terminal]
+
+    def forget(self, request_id: str) -> RequestRecord:
+        """Drop a terminal request's row (after its outputs were delivered)."""
+        rec = self._table[request_id]
+        if not rec.phase.terminal:
+            raise ValueError(f"request {request_id!r} is still {rec.phase.value}")
+        return self._table.pop(request_id)
+
+    # ---- routing ---------------------------------------------------------------------------
+    def pick_prefill(self, loads: Sequence[LoadReport]) -> str | None:
+        """The least-loaded ACTIVE prefill instance (None if none accepts); pure, records nothing."""
+        cands = accepting(loads, Role.PREFILL)
+        if not cands:
+            return None
+
+        def key(r: LoadReport) -> tuple[float, int, str]:
+            routed = self._routed.get(r.instance_id, [])
+            return load_key(r, extra_tokens=sum(n for t, n in routed if t > r.time))
+
+        return min(cands, key=key).instance_id
+
+    def route(self, request_id: str, loads: Sequence[LoadReport], now: float) -> str | None:
+        """Route an ARRIVED request to a prefill instance (-> PREFILL); None: none accepts, retry later."""
+        rec = self._table[request_id]
+        if rec.phase is not Phase.ARRIVED:
+            raise ValueError(f"request {request_id!r} is {rec.phase.value}, not arrived")
+        for r in loads:  # forget routings already reflected in a newer report
+            if r.instance_id in self._routed:
+                self._routed[r.instance_id] = [(t, n) for t, n in self._routed[r.instance_id] if t > r.time]
+        iid = self.pick_prefill(loads)
+        if iid is None:
+            return None
+        self._routed.setdefault(iid, []).append((now, rec.num_prompt_tokens))
+        rec.phase = Phase.PREFILL
+        rec.prefill_instance = iid
+        return iid
+
+    def reroute(self, request_id: str) -> None:
+        """Send a PREFILL request back to ARRIVED (its prefill instance failed or drained it away)."""
+        rec = self._table[request_id]
+        if rec.phase is not Phase.PREFILL:
+            raise ValueError(f"request {request_id!r} is {rec.phase.value}, not in prefill")
+        rec.phase = Phase.ARRIVED
+        rec.prefill_instance = None
+
+    # ---- progress --------------------------------------------------------------------------
+    def on_dispatched(self, request_id: str, decode_instance: str) -> None:
+        rec = self._table[request_id]
+        if rec.phase not in (Phase.PREFILL, Phase.DECODE):  # DECODE again: re-dispatch after a failed transfer
+            raise ValueError(f"request {request_id!r} is {rec.phase.value}; cannot dispatch")
+        rec.phase = Phase.DECODE
+        rec.decode_instance = decode_instance
+
+    def on_tokens(self, request_id: str, num_new: int, now: float) -> None:
+        """``num_new`` output tokens streamed at ``now`` (the first one sets TTFT)."""
+        rec = self._table[request_id]
+        if rec.phase.terminal or num_new <= 0:
+            return
+        if rec.first_token_time is None:
+            rec.first_token_time = now
+        rec.last_token_time = now
+        rec.num_output_tokens += num_new
+
+    def on_terminal(self, request_id: str, phase: Phase, now: float, reason: str | None = None) -> bool:
+        """Move to a terminal phase; returns False (and changes nothing) if it already ended."""
+        if not phase.terminal:
+            raise ValueError(f"{phase.value} is not a terminal phase")
+        rec = self._table[request_id]
+        if rec.phase.terminal:
+            return False
+        rec.phase = phase
+        rec.finish_time = now
+        rec.finish_reason = reason
+        return True

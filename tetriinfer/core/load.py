@@ -1,0 +1,119 @@
+"""Load-report value types: what every instance tells the cluster monitor (paper: every 100 ms).
+
+A ``LoadReport`` is a plain immutable value; instances build them from their scheduler's state
+(``PrefillScheduler.load_report``, ``DecodeScheduler.load_report``), the monitor aggregates and
+broadcasts them, and the pure policies (dispatcher, global policy, flip policy) read them.
+
+Conventions (the same for the real runtime and the simulator):
+- prefill instance: ``num_queued`` = requests not yet fully prefilled, ``num_running`` = prefilled
+  requests whose KV blocks are still held (waiting for / in KV transfer), ``tokens_in_flight`` = prompt
+  tokens still to prefill;
+- decode instance: ``num_queued`` = requests reserved but not yet runnable (KV arriving) plus preempted
+  ones, ``num_running`` = requests decoding, ``tokens_in_flight`` = tokens held in the KV cache;
+- ``utilization`` = busy fraction of the instance since its previous report, in ``[0, 1]``.
+
+Invariants (checked in ``__post_init__``): every count is ``>= 0``; ``0 <= utilization <= 1``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @property
+    def other(self) -> Role:
+        return Role.DECODE if self is Role.PREFILL else Role.PREFILL
+
+
+class InstanceState(enum.Enum):
+    ACTIVE = "active"  # accepts new work in its role
+    DRAINING = "draining"  # no new work is routed to it; finishing what it has
+    FLIPPING = "flipping"  # empty; switching role in place
+
+
+DEFAULT_HEAVY_DECODE_TOKENS = 128  # paper: ShareGPT median output length
+
+
+def is_heavy_decode(predicted_lower: int | None, threshold: int = DEFAULT_HEAVY_DECODE_TOKENS) -> bool:
+    """Heavy decode = predicted output > ``threshold`` tokens, judged on the bucket's lower bound.
+
+    A request without a prediction counts as light (nothing is known about it)."""
+    return predicted_lower is not None and predicted_lower > threshold
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    instance_id: str
+    role: Role
+    state: InstanceState = InstanceState.ACTIVE
+    time: float = 0.0  # the reporter's ``now`` when the report was built
+    num_queued: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_used_blocks: int = 0
+    block_size: int = 16
+    tokens_in_flight: int = 0
+    num_heavy_decodes: int = 0
+    num_light_decodes: int = 0
+    utilization: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_queued", "num_running", "num_free_blocks", "num_used_blocks", "tokens_in_flight",
+                     "num_heavy_decodes", "num_light_decodes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"load report {self.instance_id!r}: {name} must be >= 0")
+        if self.block_size < 1:
+            raise ValueError(f"load report {self.instance_id!r}: block_size must be >= 1")
+        if not 0.0 <= self.utilization <= 1.0:
+            raise ValueError(f"load report {self.instance_id!r}: utilization must be in [0, 1]")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_free_blocks + self.num_used_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def load(self) -> float:
+        """Load fraction used by the flip policy: ``max(utilization, kv_usage)``, in ``[0, 1]``."""
+        return max(self.utilization, self.kv_usage)
+
+    @property
+    def accepting(self) -> bool:
+        """Only ACTIVE instances receive new work."""
+        return self.state is InstanceState.ACTIVE
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing queued, nothing running, no KV block held: safe to switch role."""
+        return self.num_queued == 0 and self.num_running == 0 and self.num_used_blocks == 0
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def load_key(report: LoadReport, extra_tokens: int = 0) -> tuple[float, int, str]:
+    """Sort key for "least loaded" (smaller is less loaded), deterministic via the instance id.
+
+    Prefill: prompt tokens still to prefill (+ ``extra_tokens`` routed since the report), then queue
+    length. Decode: KV usage, then requests queued + running."""
+    if report.role is Role.PREFILL:
+        return (float(report.tokens_in_flight + extra_tokens), report.num_queued, report.instance_id)
+    return (report.kv_usage, report.num_queued + report.num_running, report.instance_id)
+
+
+def accepting(reports: Iterable[LoadReport], role: Role) -> list[LoadReport]:
+    """The reports of ACTIVE instances of ``role``, sorted by instance id."""
+    return sorted((r for r in reports if r.role is role and r.accepting), key=lambda r: r.instance_id)
+
+
+def least_loaded(reports: Sequence[LoadReport]) -> LoadReport | None:
+    return min(reports, key=load_key) if reports else None
