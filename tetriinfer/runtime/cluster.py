@@ -1,0 +1,443 @@
+"""The front end of a multi-process cluster: global scheduler, cluster monitor, and the client API.
+
+Request lifecycle (disaggregated mode), as the front end sees it:
+arrive (``generate``; row in the request status table) -> routed to the least-loaded prefill instance ->
+first token (from the prefill instance) -> dispatched (decode instance chosen) -> tokens (from the decode
+instance) -> finished | aborted | failed. Colocated modes skip the dispatch. Tokens can arrive from two
+instances over different sockets, so they are reordered by output index before streaming. Every request
+ends with exactly one terminal event; instance failures end their requests with an error.
+
+The cluster monitor keeps the instance table (role, pid, host, state, last report), aggregates decode
+load and broadcasts it to prefill instances every report interval, and, with flipping on, runs the flip
+policy and tells instances to switch roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
+from tetriinfer.core.global_policy import GlobalPolicy, Phase
+from tetriinfer.core.load import LoadReport, Role
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.engine.model_config import ModelConfig
+from tetriinfer.runtime.cluster_config import ClusterConfig
+from tetriinfer.runtime.engine_client import TokenEvent
+from tetriinfer.runtime.instance_spec import InstanceSpec, encode_spec
+from tetriinfer.runtime.messages import (
+    Abort,
+    DecodeLoads,
+    Dispatched,
+    Hello,
+    NewRequest,
+    PeerTable,
+    RoleSwitched,
+    SetRole,
+    Shutdown,
+    Tokens,
+    TransferStat,
+    WireLoad,
+    WireParams,
+    decode,
+    encode,
+)
+from tetriinfer.runtime.worker_base import load_from_wire
+
+
+@dataclass
+class InstanceInfo:
+    instance_id: str
+    role: str
+    process: subprocess.Popen
+    hello: Hello | None = None
+    load: WireLoad | None = None
+    socket: zmq.asyncio.Socket | None = None
+    last_seen: float = 0.0
+    flips: int = 0
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_index: int = 0
+    pending: dict[int, Any] = field(default_factory=dict)
+    finished: bool = False
+    instances: set[str] = field(default_factory=set)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+
+class ClusterEngineClient:
+    """``EngineClient`` over instance processes on this machine."""
+
+    def __init__(self, config: ClusterConfig, *, model_name: str | None = None) -> None:
+        self.config = config
+        self.model_name = model_name or os.path.basename(os.path.normpath(config.model))
+        self._model_config = ModelConfig.from_pretrained(config.model)
+        self.max_model_len = config.max_model_len or self._model_config.max_position_embeddings
+        self._tokenizer: Any | None = None
+        self.eos_token_id: int | None = None
+        self.instances: dict[str, InstanceInfo] = {}
+        self.streams: dict[str, _Stream] = {}
+        self.policy = GlobalPolicy()
+        self.flip_policy = FlipPolicy(
+            FlipConfig(enabled=config.flip, threshold=config.flip_threshold, window_s=config.flip_window_s)
+        )
+        self.flip_log: list[dict[str, Any]] = []
+        self.transfer_log = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self.metrics: Any = None  # a server.metrics.ServerMetrics, set by the server
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
+        self._closing = False
+
+    # ---- EngineClient ----------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any | None:
+        return self._tokenizer
+
+    def is_healthy(self) -> bool:
+        return self._started and not self._closing and all(i.process.poll() is None for i in self.instances.values())
+
+    async def start(self) -> None:
+        from tetriinfer.engine.llm_engine import load_tokenizer
+
+        if self.config.load_format != "dummy":
+            self._tokenizer = load_tokenizer(self.config.model)
+        eos = self._model_config.eos_token_id
+        if eos is None and self._tokenizer is not None:
+            eos = self._tokenizer.eos_token_id
+        self.eos_token_id = eos
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
+        address = f"tcp://127.0.0.1:{port}"
+        for index, role in enumerate(self.config.roles()):
+            iid = f"{role[0]}{sum(1 for r in self.config.roles()[:index] if r == role)}"
+            iid = {"p": "prefill-", "d": "decode-", "c": "instance-"}[iid[0]] + iid[1:]
+            spec = self._spec(iid, role, index, address)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tetriinfer.runtime.instance", encode_spec(spec).hex()],
+                env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+            )
+            self.instances[iid] = InstanceInfo(iid, role, proc)
+        await self._await_hellos()
+        table = {i.instance_id: i.hello.address for i in self.instances.values() if i.hello}
+        for info in self.instances.values():
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 500)
+            sock.connect(info.hello.address)  # type: ignore[union-attr]
+            info.socket = sock
+            await sock.send(encode(PeerTable(table)))
+        self._started = True
+        self._tasks.append(asyncio.create_task(self._receive_loop()))
+        self._tasks.append(asyncio.create_task(self._monitor_loop()))
+
+    def _spec(self, iid: str, role: str, index: int, frontend: str) -> InstanceSpec:
+        c = self.config
+        prefill_policy, dispatch, decode_policy, predictor = (
+            c.prefill_policy, c.dispatch_policy, c.decode_policy, c.predictor,
+        )
+        if c.mode == "distserve":
+            prefill_policy, dispatch, decode_policy, predictor = "fcfs", "least-loaded", "greedy", "none"
+        return InstanceSpec(
+            instance_id=iid, role=role, frontend_address=frontend, model=c.model, dtype=c.dtype,
+            device=c.device, load_format=c.load_format, chunk_size=c.chunk_size, block_size=c.block_size,
+            num_kv_blocks=c.num_kv_blocks, kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
+            max_model_len=self.max_model_len, cpu_cores=c.cores_for(index),
+            num_threads=c.cores_per_instance if c.device == "cpu" else None, seed=c.seed + index,
+            prefill_policy=prefill_policy, prefill_sched_batch=c.prefill_sched_batch, dispatch_policy=dispatch,
+            decode_policy=decode_policy, colocated_policy="sarathi" if c.mode == "sarathi" else "vllm",
+            max_num_batched_tokens=c.chunk_size if c.mode == "sarathi" else c.max_num_batched_tokens,
+            heavy_decode_tokens=c.heavy_decode_tokens, kv_backend=c.kv_backend, link_bandwidth=c.link_bandwidth,
+            transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
+            fault_drop_p=c.fault_drop_p, fault_delay_p=c.fault_delay_p, fault_corrupt_p=c.fault_corrupt_p,
+            predictor=predictor, report_interval_s=c.report_interval_s,
+        )
+
+    async def _await_hellos(self) -> None:
+        assert self._pull is not None
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while any(i.hello is None for i in self.instances.values()):
+            for info in self.instances.values():
+                if info.process.poll() is not None:
+                    await self._kill_all()
+                    raise RuntimeError(
+                        f"instance {info.instance_id} exited with code {info.process.returncode} during startup"
+                    )
+            if time.monotonic() > deadline:
+                await self._kill_all()
+                raise RuntimeError("instances did not start in time")
+            if await self._pull.poll(200):
+                msg = decode(await self._pull.recv())
+                if isinstance(msg, Hello) and msg.instance_id in self.instances:
+                    self.instances[msg.instance_id].hello = msg
+                    self.instances[msg.instance_id].last_seen = time.time()
+
+    async def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for info in self.instances.values():
+            if info.socket is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    await info.socket.send(encode(Shutdown()))
+        await self._kill_all(grace_s=10.0)
+        for s in self.streams.values():
+            if not s.finished:
+                self._finish_stream(s, "abort", error="server shutting down")
+        for info in self.instances.values():
+            if info.socket is not None:
+                info.socket.close(linger=0)
+        if self._pull is not None:
+            self._pull.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def _kill_all(self, grace_s: float = 0.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for info in self.instances.values():
+            while info.process.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if info.process.poll() is None:
+                info.process.terminate()
+        for info in self.instances.values():
+            try:
+                info.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                info.process.kill()
+                info.process.wait()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        oracle_output_tokens: int | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        if not self._started or self._closing:
+            raise RuntimeError("the cluster is not running")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_token_ids)} tokens (prompt + at least one output token must fit)"
+            )
+        vocab = self._model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if request_id in self.streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = _Stream(request_id, len(prompt_token_ids))
+        self.streams[request_id] = stream
+        self.policy.add(request_id, time.time(), len(prompt_token_ids))
+        try:
+            target = await self._route(request_id)
+            stream.instances.add(target)
+            msg = NewRequest(
+                request_id, list(prompt_token_ids), WireParams.from_params(params), time.time(),
+                self.eos_token_id, oracle_output_tokens,
+            )
+            await self.instances[target].socket.send(encode(msg))  # type: ignore[union-attr]
+            while True:
+                event: TokenEvent = await stream.queue.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            if not stream.finished:
+                await self.abort(request_id)
+            self.streams.pop(request_id, None)
+            with contextlib.suppress(KeyError, ValueError):
+                self.policy.forget(request_id)
+
+    async def _route(self, request_id: str) -> str:
+        while True:
+            loads = [load_from_wire(i.load) for i in self.instances.values() if i.load is not None]
+            loads = self.flip_policy.annotate(loads) if self.config.flip else loads
+            if not loads:  # before the first reports: route by index
+                firsts = [i.instance_id for i in self.instances.values() if i.role in ("prefill", "colocated")]
+                loads = [LoadReport(iid, Role.PREFILL) for iid in firsts]
+            iid = self.policy.route(request_id, loads, time.time())
+            if iid is not None:
+                return iid
+            await asyncio.sleep(self.config.report_interval_s)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self.streams.get(request_id)
+        if stream is not None and not stream.finished:
+            self._finish_stream(stream, "abort")
+        for info in self.instances.values():
+            if info.socket is not None and info.process.poll() is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    await info.socket.send(encode(Abort(request_id)))
+
+    # ---- receiving -------------------------------------------------------------------------
+    def _finish_stream(self, stream: _Stream, reason: str, stop: int | None = None, error: str | None = None) -> None:
+        if stream.finished:
+            return
+        stream.finished = True
+        phase = {"abort": Phase.ABORTED, "error": Phase.FAILED}.get(reason, Phase.FINISHED)
+        with contextlib.suppress(KeyError):
+            self.policy.on_terminal(stream.request_id, phase, time.time(), reason)
+        now = time.perf_counter()
+        metrics = {"e2e_s": now - stream.arrival}
+        if stream.first_token is not None:
+            metrics["ttft_s"] = stream.first_token - stream.arrival
+        stream.queue.put_nowait(
+            TokenEvent(stream.request_id, (), True, reason, stop, error=error,
+                       num_prompt_tokens=stream.num_prompt_tokens, metrics=metrics)
+        )
+
+    def _on_tokens(self, msg: Tokens) -> None:
+        for item in msg.items:
+            stream = self.streams.get(item.request_id)
+            if stream is None or stream.finished:
+                continue
+            stream.instances.add(msg.instance_id)
+            stream.pending[item.index] = item
+            while stream.next_index in stream.pending and not stream.finished:
+                it = stream.pending.pop(stream.next_index)
+                if it.token_ids:
+                    if stream.first_token is None:
+                        stream.first_token = time.perf_counter()
+                    stream.next_index += len(it.token_ids)
+                    with contextlib.suppress(KeyError):
+                        self.policy.on_tokens(stream.request_id, len(it.token_ids), time.time())
+                    stream.queue.put_nowait(
+                        TokenEvent(stream.request_id, tuple(it.token_ids), num_prompt_tokens=stream.num_prompt_tokens)
+                    )
+                if it.finished:
+                    self._finish_stream(stream, it.finish_reason or "stop", it.stop_reason, it.error)
+            # An error can be reported at an index tokens never reached (e.g. a failed transfer).
+            for idx, it in list(stream.pending.items()):
+                if it.finished and it.finish_reason == "error" and not stream.finished:
+                    stream.pending.pop(idx)
+                    self._finish_stream(stream, "error", error=it.error)
+
+    async def _receive_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = decode(data)
+            except Exception:  # noqa: BLE001 - a malformed frame is dropped, never unpickled
+                continue
+            if isinstance(msg, Tokens):
+                self._on_tokens(msg)
+            elif isinstance(msg, WireLoad):
+                info = self.instances.get(msg.instance_id)
+                if info is not None:
+                    info.load = msg
+                    info.last_seen = time.time()
+                    info.role = msg.role if info.role != "colocated" else info.role
+            elif isinstance(msg, Dispatched):
+                with contextlib.suppress(KeyError, ValueError):
+                    self.policy.on_dispatched(msg.request_id, msg.decode_id)
+            elif isinstance(msg, TransferStat):
+                self.transfer_log["count"] += 1
+                self.transfer_log["bytes"] += msg.num_bytes
+                self.transfer_log["seconds"] += msg.seconds
+                self.transfer_log["failed"] += int(msg.outcome != "done")
+                if self.metrics is not None:
+                    self.metrics.observe_transfer(msg.num_bytes, msg.seconds, backend=msg.backend, outcome=msg.outcome)
+            elif isinstance(msg, RoleSwitched):
+                self._on_switched(msg)
+
+    def _on_switched(self, msg: RoleSwitched) -> None:
+        info = self.instances[msg.instance_id]
+        old = info.role
+        info.role = msg.role
+        info.flips += 1
+        rec = self.flip_policy.on_switched(msg.instance_id, time.time())
+        entry = {"instance": msg.instance_id, "from": old, "to": msg.role, "drain_s": msg.drain_s,
+                 "switch_s": msg.switch_s, "total_s": rec.total_s if rec else None, "time": time.time()}
+        self.flip_log.append(entry)
+        if self.metrics is not None:
+            self.metrics.observe_flip(old, msg.role, msg.switch_s)
+
+    async def _monitor_loop(self) -> None:
+        interval = self.config.report_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self._check_processes()
+            loads = [load_from_wire(i.load) for i in self.instances.values() if i.load is not None]
+            if self.config.flip and loads:
+                for cmd in self.flip_policy.observe(loads, time.time()):
+                    if cmd.action is FlipAction.DRAIN:
+                        info = self.instances[cmd.instance_id]
+                        await info.socket.send(encode(SetRole(cmd.to_role.value)))  # type: ignore[union-attr]
+                loads = self.flip_policy.annotate(loads)
+            if not self.config.disaggregated:
+                continue
+            decode_loads = [
+                i.load for i in self.instances.values() if i.load is not None and i.load.role == "decode"
+            ]
+            annotated = {r.instance_id: r for r in loads}
+            from tetriinfer.runtime.worker_base import wire_load
+
+            payload = []
+            for w in decode_loads:
+                rep = annotated.get(w.instance_id, load_from_wire(w))
+                payload.append(encode(wire_load(replace(rep), w.busy_s, w.steps)))
+            msg = encode(DecodeLoads(payload))
+            for info in self.instances.values():
+                if info.role == "prefill" and info.socket is not None:
+                    await info.socket.send(msg)
+
+    def _check_processes(self) -> None:
+        dead = [i for i in self.instances.values() if i.process.poll() is not None]
+        if not dead or self._closing:
+            return
+        names = {i.instance_id for i in dead}
+        for stream in list(self.streams.values()):
+            if stream.instances & names and not stream.finished:
+                self._finish_stream(stream, "error", error=f"instance {sorted(stream.instances & names)} died")
+
+    # ---- introspection ---------------------------------------------------------------------
+    def cluster_info(self) -> dict[str, Any]:
+        out = []
+        for info in self.instances.values():
+            load = info.load
+            hello = info.hello
+            alive = info.process.poll() is None
+            out.append({
+                "id": info.instance_id,
+                "role": info.role,
+                "pid": info.process.pid,
+                "host": hello.host if hello else None,
+                "state": (load.state if load else "starting") if alive else "dead",
+                "kv_blocks_used": load.num_used_blocks if load else 0,
+                "kv_blocks_total": hello.kv_blocks_total if hello else 0,
+                "queued": load.num_queued if load else 0,
+                "running": load.num_running if load else 0,
+                "utilization": load.utilization if load else 0.0,
+                "busy_s": load.busy_s if load else 0.0,
+                "steps": load.steps if load else 0,
+                "flips": info.flips,
+                "last_report_age_s": (time.time() - info.last_seen) if info.last_seen else None,
+            })
+        return {
+            "mode": self.config.mode,
+            "instances": out,
+            "flips": list(self.flip_log),
+            "transfers": dict(self.transfer_log),
+            "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
+        }

@@ -1,0 +1,96 @@
+"""Colocated role (the baselines): one instance runs both phases with a colocated scheduler.
+
+``vllm``: prefill-first continuous batching, whole prompts. ``sarathi``: stall-free hybrid batches
+(decodes first, then prompt chunks within a token budget). ``chunked``: TetriInfer's fixed-size prefill
+chunks alternating with decode steps on one instance (what the offline ``LLM`` runs).
+"""
+
+from __future__ import annotations
+
+from tetriinfer.core.colocated_scheduler import ColocatedSchedulerConfig, make_colocated_scheduler
+from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.local_scheduler import LocalScheduler, LocalSchedulerConfig
+from tetriinfer.core.request import Request
+from tetriinfer.runtime.messages import Abort, NewRequest
+from tetriinfer.runtime.worker_base import InstanceContext
+
+
+class ColocatedWorker:
+    role = "colocated"
+
+    def __init__(self, ctx: InstanceContext) -> None:
+        spec = ctx.spec
+        self.ctx = ctx
+        if spec.colocated_policy == "chunked":
+            self.scheduler = LocalScheduler(
+                LocalSchedulerConfig(
+                    chunk_size=spec.chunk_size, max_num_seqs=spec.max_num_seqs, max_model_len=ctx.max_model_len
+                ),
+                ctx.kv_manager,
+            )
+        else:
+            self.scheduler = make_colocated_scheduler(
+                spec.colocated_policy,
+                ColocatedSchedulerConfig(
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                    max_num_seqs=spec.max_num_seqs,
+                    max_model_len=ctx.max_model_len,
+                ),
+                ctx.kv_manager,
+            )
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, NewRequest):
+            try:
+                req = Request(
+                    request_id=msg.request_id,
+                    prompt_token_ids=list(msg.prompt_token_ids),
+                    sampling_params=msg.params.to_params(),
+                    arrival_time=msg.arrival_time,
+                    eos_token_id=msg.eos_token_id,
+                )
+                self.scheduler.add_request(req)
+            except ValueError as exc:
+                self.ctx.emit_error(msg.request_id, 0, str(exc))
+        elif isinstance(msg, Abort):
+            self.scheduler.abort(msg.request_id)
+
+    def poll_transfers(self) -> None:
+        return None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def is_empty(self) -> bool:
+        return not self.scheduler.has_unfinished()
+
+    def step(self) -> bool:
+        if not self.scheduler.has_unfinished():
+            return False
+        out = self.scheduler.schedule()
+        result = self.ctx.runner.execute(out)
+        upd = self.scheduler.update(out, result)
+        for rid, tok in upd.new_tokens.items():
+            req = self.scheduler.requests.get(rid) or next((r for r in upd.finished if r.request_id == rid), None)
+            if req is not None:
+                self.ctx.emit_tokens(req, [tok])
+        for req in upd.finished:
+            self.ctx.emit_finished(req)
+        return not out.is_empty
+
+    def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
+        s = self.scheduler
+        kv = self.ctx.kv_manager
+        return LoadReport(
+            instance_id=self.ctx.instance_id,
+            role=Role.PREFILL,  # receives new requests from the global scheduler
+            state=state,
+            time=now,
+            num_queued=len(s.waiting),
+            num_running=len(s.running),
+            num_free_blocks=kv.num_free_blocks,
+            num_used_blocks=kv.num_used_blocks,
+            block_size=kv.block_size,
+            tokens_in_flight=sum(r.num_uncomputed_tokens for r in s.waiting) + sum(1 for _ in s.running),
+            utilization=utilization,
+        )

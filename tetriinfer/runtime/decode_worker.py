@@ -1,0 +1,178 @@
+"""Decode role: admit (reserve blocks) -> receive KV -> continuous-batching decode -> stream tokens.
+
+Lifecycle of a request here: Handoff -> pending admission (FIFO; the admission policy may make it
+wait) -> reserved (blocks allocated *before* bytes move) -> receiving (memory posted, KVReady sent)
+-> KV written into its blocks -> decoding -> finished | aborted. A failed or timed-out receive is
+re-posted up to ``transfer_attempts`` times (blocks stay reserved), then the blocks are freed and the
+prefill instance told (KVDone failed) so it re-dispatches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
+from tetriinfer.core.load import InstanceState, LoadReport
+from tetriinfer.core.request import Request
+from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, TransferStat
+from tetriinfer.runtime.worker_base import InstanceContext
+
+
+@dataclass
+class Receiving:
+    handoff: Handoff
+    staging: list[torch.Tensor]
+    transfer_id: str
+    attempt: int
+    started: float
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(self, ctx: InstanceContext) -> None:
+        spec = ctx.spec
+        self.ctx = ctx
+        self.scheduler = DecodeScheduler(
+            DecodeSchedulerConfig(
+                policy=spec.decode_policy,
+                max_num_seqs=spec.max_num_seqs,
+                max_model_len=ctx.max_model_len,
+                heavy_decode_tokens=spec.heavy_decode_tokens,
+            ),
+            ctx.kv_manager,
+        )
+        self.pending: deque[Handoff] = deque()
+        self.receiving: dict[str, Receiving] = {}
+
+    # ---- messages ------------------------------------------------------------------------
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, Handoff):
+            self.pending.append(msg)
+            self._admit()
+        elif isinstance(msg, Abort):
+            self.abort(msg.request_id)
+
+    def _admit(self) -> None:
+        while self.pending:
+            h = self.pending[0]
+            req = Request(
+                request_id=h.request_id,
+                prompt_token_ids=list(h.prompt_token_ids),
+                sampling_params=h.params.to_params(),
+                arrival_time=h.arrival_time,
+                eos_token_id=h.eos_token_id,
+                output_token_ids=list(h.output_token_ids),
+            )
+            req.num_computed_tokens = req.num_tokens - 1
+            if h.prediction is not None:
+                req.predicted_bucket = h.prediction.bucket
+                req.predicted_lower, req.predicted_upper = h.prediction.lower, h.prediction.upper
+            try:
+                ok = self.scheduler.reserve(req)
+            except ValueError as exc:  # can never run here: fail cleanly, let the prefill side free its copy
+                self.pending.popleft()
+                self.ctx.emit_error(h.request_id, len(h.output_token_ids), str(exc))
+                self.ctx.send_peer(h.prefill_id, KVDone(h.request_id, failed=False, reason=str(exc)))
+                continue
+            if not ok:
+                return
+            self.pending.popleft()
+            self._post_receive(h, attempt=0)
+
+    def _post_receive(self, h: Handoff, attempt: int) -> None:
+        kv = self.ctx.runner.kv
+        ref = kv.k[0]
+        shape = (h.num_kv_blocks, kv.block_size, *ref.shape[1:])
+        staging = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in range(2 * len(kv.k))]
+        tid = f"{h.request_id}#{attempt}"
+        region = self.ctx.backend.recv(tid, staging, timeout_s=self.ctx.spec.transfer_timeout_s)
+        self.receiving[h.request_id] = Receiving(h, staging, tid, attempt, time.perf_counter())
+        self.ctx.send_peer(h.prefill_id, KVReady(h.request_id, tid, region))
+
+    def poll_transfers(self) -> None:
+        from tetriinfer.transfer import TransferState
+
+        backend = self.ctx.backend
+        for rid, rcv in list(self.receiving.items()):
+            state = backend.poll(rcv.transfer_id)
+            if state is TransferState.DONE:
+                del self.receiving[rid]
+                table = self.scheduler.block_table(rid)
+                self.ctx.runner.kv.write_blocks(table[: rcv.handoff.num_kv_blocks], rcv.staging)
+                self._release_tid(rcv.transfer_id)
+                self.scheduler.on_kv_received(rid)
+                self.ctx.send_peer(rcv.handoff.prefill_id, KVDone(rid))
+                self._report_transfer(rcv, "done")
+            elif state is TransferState.FAILED:
+                reason = backend.status(rcv.transfer_id).reason or "transfer failed"
+                self._report_transfer(rcv, "failed")
+                del self.receiving[rid]
+                self._release_tid(rcv.transfer_id)
+                if rcv.attempt + 1 < self.ctx.spec.transfer_attempts:
+                    self._post_receive(rcv.handoff, rcv.attempt + 1)
+                else:
+                    self.scheduler.transfer_failed(rid)
+                    self.ctx.send_peer(rcv.handoff.prefill_id, KVDone(rid, failed=True, reason=reason))
+
+    def _report_transfer(self, rcv: Receiving, outcome: str) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in rcv.staging)
+        secs = time.perf_counter() - rcv.started  # memory posted -> all bytes in (includes the KVReady hop)
+        self.ctx.send_front(TransferStat(self.ctx.instance_id, nbytes, secs, outcome, self.ctx.spec.kv_backend))
+
+    def _release_tid(self, tid: str) -> None:
+        try:
+            self.ctx.backend.release(tid)
+        except KeyError:
+            pass
+
+    # ---- stepping ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.suspended)
+
+    def is_empty(self) -> bool:
+        return not self.scheduler.has_unfinished() and not self.pending and not self.receiving
+
+    def step(self) -> bool:
+        if self.pending:
+            self._admit()
+        if not self.has_work():
+            return False
+        out = self.scheduler.schedule()
+        if out.swapped_out or out.swapped_in:
+            raise RuntimeError("swap preemption is not wired into the runtime; use recompute")
+        if out.is_empty:
+            upd = self.scheduler.update(out, self.ctx.runner.execute(out))
+            for req in upd.finished:
+                self.ctx.emit_finished(req)
+            return False
+        result = self.ctx.runner.execute(out)
+        upd = self.scheduler.update(out, result)
+        for rid, tok in upd.new_tokens.items():
+            req = self.scheduler.requests.get(rid) or next((r for r in upd.finished if r.request_id == rid), None)
+            if req is not None:
+                self.ctx.emit_tokens(req, [tok])
+        for req in upd.finished:
+            self.ctx.emit_finished(req)
+        return True
+
+    def abort(self, rid: str) -> None:
+        for h in list(self.pending):
+            if h.request_id == rid:
+                self.pending.remove(h)
+        rcv = self.receiving.pop(rid, None)
+        if rcv is not None:
+            self._release_tid(rcv.transfer_id)
+        self.scheduler.abort(rid)
+
+    def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
+        from dataclasses import replace
+
+        rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
+        return replace(rep, num_queued=rep.num_queued + len(self.pending))
+
+

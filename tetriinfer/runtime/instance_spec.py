@@ -1,0 +1,67 @@
+"""What one instance process needs to start: its role, engine, policies and addresses.
+
+Passed to the child process as msgpack bytes on its command line (never pickled).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class InstanceSpec(msgspec.Struct, frozen=True):
+    instance_id: str
+    role: str  # prefill | decode | colocated
+    frontend_address: str
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    load_format: str = "auto"
+    chunk_size: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    cpu_cores: list[int] | None = None
+    num_threads: int | None = None
+    seed: int = 0
+    # policies
+    prefill_policy: str = "fcfs"
+    prefill_sched_batch: int = 16
+    dispatch_policy: str = "length-aware"
+    decode_policy: str = "greedy"
+    colocated_policy: str = "vllm"  # vllm | sarathi
+    max_num_batched_tokens: int = 2048
+    heavy_decode_tokens: int = 128
+    # transfer
+    kv_backend: str = "tcp"
+    link_bandwidth: str | None = None
+    link_latency_s: float = 0.0
+    transfer_timeout_s: float = 10.0
+    transfer_attempts: int = 3
+    max_dispatch_attempts: int = 3
+    fault_drop_p: float = 0.0
+    fault_delay_p: float = 0.0
+    fault_corrupt_p: float = 0.0
+    fault_delay_s: float = 0.2
+    # predictor: "none" | "oracle" | a predictor folder
+    predictor: str = "none"
+    report_interval_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.report_interval_s <= 0:
+            raise ValueError("report_interval_s must be > 0")
+        if self.transfer_attempts < 1 or self.max_dispatch_attempts < 1:
+            raise ValueError("transfer_attempts and max_dispatch_attempts must be >= 1")
+
+
+def encode_spec(spec: InstanceSpec) -> bytes:
+    return msgspec.msgpack.encode(spec)
+
+
+def decode_spec(data: bytes) -> InstanceSpec:
+    return msgspec.msgpack.decode(data, type=InstanceSpec)

@@ -1,0 +1,200 @@
+"""Control-plane messages between the front end and instance processes (msgspec, never pickle).
+
+Every message is a tagged ``msgspec.Struct``; ``encode``/``decode`` turn them into bytes and back, and
+decoding rejects anything that is not one of these types. KV bytes never travel here: they move over the
+transfer stack (``tetriinfer.transfer``) as raw buffers.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.transfer.messages import RemoteRegion
+
+
+class WireParams(msgspec.Struct, frozen=True):
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    min_tokens: int
+    ignore_eos: bool
+    stop_token_ids: list[int]
+    logprobs: int | None
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> WireParams:
+        return cls(
+            p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.min_tokens, p.ignore_eos,
+            list(p.stop_token_ids), p.logprobs,
+        )
+
+    def to_params(self) -> SamplingParams:
+        # Stop *strings* are matched by the front end's detokenizer, never by instances.
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids), logprobs=self.logprobs,
+        )
+
+
+class Prediction(msgspec.Struct, frozen=True):
+    bucket: int
+    lower: int
+    upper: int
+
+
+# ---- front end -> instance ---------------------------------------------------------------------
+class NewRequest(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    oracle_output_tokens: int | None = None  # known true length (ablations with --predictor oracle)
+
+
+class Abort(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+
+
+class PeerTable(msgspec.Struct, tag=True, frozen=True):
+    """Control addresses of every instance (sent whenever membership changes)."""
+
+    addresses: dict[str, str]
+
+
+class DecodeLoads(msgspec.Struct, tag=True, frozen=True):
+    """The monitor's aggregated decode load, broadcast to prefill instances."""
+
+    reports: list[bytes]  # encoded WireLoad values
+
+
+class SetRole(msgspec.Struct, tag=True, frozen=True):
+    """Flip: drain, then switch to ``role`` in place (no model reload)."""
+
+    role: str
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+# ---- instance -> instance ----------------------------------------------------------------------
+class Handoff(msgspec.Struct, tag=True, frozen=True):
+    """Prefill -> decode: a prefilled request (first token sampled); its KV waits at ``prefill_id``."""
+
+    request_id: str
+    prefill_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: WireParams
+    arrival_time: float
+    eos_token_id: int | None
+    num_kv_blocks: int  # blocks the KV payload covers (positions [0, num_tokens - 1))
+    prediction: Prediction | None = None
+
+
+class KVReady(msgspec.Struct, tag=True, frozen=True):
+    """Decode -> prefill: blocks reserved, memory posted: send the KV into ``region``."""
+
+    request_id: str
+    transfer_id: str
+    region: RemoteRegion
+
+
+class KVDone(msgspec.Struct, tag=True, frozen=True):
+    """Decode -> prefill: KV received (free the staging copy), or given up (``failed``)."""
+
+    request_id: str
+    failed: bool = False
+    reason: str = ""
+
+
+# ---- instance -> front end ---------------------------------------------------------------------
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    instance_id: str
+    role: str
+    address: str
+    pid: int
+    host: str
+    kv_blocks_total: int
+    max_model_len: int
+
+
+class TokenItem(msgspec.Struct, frozen=True):
+    request_id: str
+    index: int  # output position of token_ids[0]
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    error: str | None = None
+
+
+class Tokens(msgspec.Struct, tag=True, frozen=True):
+    instance_id: str
+    items: list[TokenItem]
+
+
+class Dispatched(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+    decode_id: str
+
+
+class TransferStat(msgspec.Struct, tag=True, frozen=True):
+    instance_id: str
+    num_bytes: int
+    seconds: float
+    outcome: str
+    backend: str
+
+
+class WireLoad(msgspec.Struct, tag=True, frozen=True):
+    instance_id: str
+    role: str
+    state: str
+    time: float
+    num_queued: int
+    num_running: int
+    num_free_blocks: int
+    num_used_blocks: int
+    block_size: int
+    tokens_in_flight: int
+    num_heavy_decodes: int
+    num_light_decodes: int
+    utilization: float
+    busy_s: float  # cumulative busy seconds (resource usage time)
+    steps: int
+
+
+class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
+    instance_id: str
+    role: str
+    drain_s: float
+    switch_s: float
+
+
+Message = (
+    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Handoff | KVReady | KVDone | Hello
+    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_load_decoder = msgspec.msgpack.Decoder(WireLoad)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Raises ``msgspec.ValidationError``/``DecodeError`` for anything that is not a known message."""
+    return _decoder.decode(data)
+
+
+def decode_load(data: bytes) -> WireLoad:
+    return _load_decoder.decode(data)

@@ -1,0 +1,269 @@
+"""Prefill role: queue -> length prediction -> fixed-size chunked prefill -> dispatch -> KV send.
+
+Lifecycle of a request here (disaggregated mode):
+NewRequest -> queued (PrefillScheduler) -> predicted -> chunks prefilled -> first token to the client ->
+KV copied to a staging buffer and the device blocks released -> dispatched (Handoff to a decode
+instance) -> KVReady (the decode side reserved blocks and posted memory) -> sent -> KVDone: staging
+freed. A KVDone(failed) re-dispatches (up to ``max_dispatch_attempts``), then the request fails with a
+clean error. Abort at any point frees whatever the request holds here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
+from tetriinfer.core.load import InstanceState, LoadReport
+from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
+from tetriinfer.core.request import Request
+from tetriinfer.runtime.messages import (
+    Abort,
+    DecodeLoads,
+    Dispatched,
+    Handoff,
+    KVDone,
+    KVReady,
+    NewRequest,
+    Prediction,
+    WireParams,
+    decode_load,
+)
+from tetriinfer.runtime.worker_base import InstanceContext, load_from_wire
+
+
+@dataclass
+class StagedKV:
+    request: Request
+    tensors: list[torch.Tensor]  # 2 * num_layers tensors [n_blocks, block_size, Hkv, D]
+    num_blocks: int
+    dispatch_attempts: int = 0
+    decode_id: str | None = None
+    sending_tid: str | None = None
+    send_started: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(self, ctx: InstanceContext) -> None:
+        spec = ctx.spec
+        self.ctx = ctx
+        self.scheduler = PrefillScheduler(
+            PrefillSchedulerConfig(
+                policy=spec.prefill_policy,
+                prefill_sched_batch=spec.prefill_sched_batch,
+                chunk_size=spec.chunk_size,
+                max_model_len=ctx.max_model_len,
+            ),
+            ctx.kv_manager,
+        )
+        self.dispatcher = Dispatcher(
+            DispatcherConfig(policy=spec.dispatch_policy, heavy_decode_tokens=spec.heavy_decode_tokens, seed=spec.seed)
+        )
+        self.decode_loads: list[LoadReport] = []
+        self.staged: dict[str, StagedKV] = {}
+        self.awaiting_dispatch: deque[str] = deque()
+        self.oracle: dict[str, int] = {}
+
+    # ---- messages ------------------------------------------------------------------------
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, NewRequest):
+            self._on_new(msg)
+        elif isinstance(msg, DecodeLoads):
+            self.decode_loads = [load_from_wire(decode_load(b)) for b in msg.reports]
+        elif isinstance(msg, KVReady):
+            self._on_kv_ready(msg)
+        elif isinstance(msg, KVDone):
+            self._on_kv_done(msg)
+        elif isinstance(msg, Abort):
+            self.abort(msg.request_id)
+
+    def _on_new(self, msg: NewRequest) -> None:
+        ctx = self.ctx
+        try:
+            req = Request(
+                request_id=msg.request_id,
+                prompt_token_ids=list(msg.prompt_token_ids),
+                sampling_params=msg.params.to_params(),
+                arrival_time=msg.arrival_time,
+                eos_token_id=msg.eos_token_id,
+            )
+            self._predict(req, msg)
+            self.scheduler.add_request(req)
+        except ValueError as exc:
+            ctx.emit_error(msg.request_id, 0, str(exc))
+
+    def _predict(self, req: Request, msg: NewRequest) -> None:
+        pred = self.ctx.predictor
+        if pred is None:
+            return
+        bucket = pred.predict_one(req.prompt_token_ids, msg.oracle_output_tokens)
+        if bucket is not None:
+            req.predicted_bucket, req.predicted_lower, req.predicted_upper = bucket
+
+    # ---- stepping ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.num_queued > 0 or bool(self.awaiting_dispatch)
+
+    def is_empty(self) -> bool:
+        return not self.scheduler.has_unfinished() and not self.staged
+
+    def step(self) -> bool:
+        self._retry_dispatch()
+        if self.scheduler.num_queued == 0:
+            return False
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return False
+        result = self.ctx.runner.execute(out)
+        upd = self.scheduler.update(out, result)
+        for rid in upd.new_tokens:
+            req = self.scheduler.requests.get(rid) or next((r for r in upd.finished if r.request_id == rid), None)
+            if req is not None:
+                self.ctx.emit_tokens(req, [upd.new_tokens[rid]])
+        for req in upd.finished:
+            self.ctx.emit_finished(req)
+        for req in upd.prefilled:
+            self._stage(req)
+        return True
+
+    def _stage(self, req: Request) -> None:
+        """Copy the request's KV out of the device blocks, release them, and dispatch."""
+        table = self.scheduler.block_table(req.request_id)
+        n = self.ctx.kv_manager.pool.blocks_for_tokens(req.num_computed_tokens)
+        tensors = self.ctx.runner.kv.read_blocks(table[:n])
+        self.scheduler.release(req.request_id)
+        self.staged[req.request_id] = StagedKV(req, tensors, n)
+        self._dispatch(req.request_id)
+
+    def _dispatch(self, rid: str) -> None:
+        staged = self.staged[rid]
+        req = staged.request
+        decision = self.dispatcher.choose(self.decode_loads, req.num_tokens, req.predicted_lower)
+        if decision.instance_id is None:
+            if rid not in self.awaiting_dispatch:
+                self.awaiting_dispatch.append(rid)
+            return
+        staged.decode_id = decision.instance_id
+        staged.dispatch_attempts += 1
+        self._account_dispatch(decision.instance_id, req)
+        pred = None
+        if req.predicted_bucket is not None:
+            pred = Prediction(req.predicted_bucket, req.predicted_lower or 0, req.predicted_upper or 0)
+        self.ctx.send_peer(
+            decision.instance_id,
+            Handoff(
+                request_id=rid,
+                prefill_id=self.ctx.instance_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+                params=WireParams.from_params(req.sampling_params),
+                arrival_time=req.arrival_time,
+                eos_token_id=req.eos_token_id,
+                num_kv_blocks=staged.num_blocks,
+                prediction=pred,
+            ),
+        )
+        self.ctx.send_front(Dispatched(rid, decision.instance_id))
+
+    def _account_dispatch(self, decode_id: str, req: Request) -> None:
+        """Optimistically charge the chosen instance until its next load report (avoids herding)."""
+        for i, r in enumerate(self.decode_loads):
+            if r.instance_id == decode_id:
+                need = min(r.num_free_blocks, r.blocks_for_tokens(req.num_tokens + max(1, req.predicted_lower or 1)))
+                heavy = (req.predicted_lower or 0) > self.ctx.spec.heavy_decode_tokens
+                from dataclasses import replace
+
+                self.decode_loads[i] = replace(
+                    r,
+                    num_free_blocks=r.num_free_blocks - need,
+                    num_used_blocks=r.num_used_blocks + need,
+                    num_queued=r.num_queued + 1,
+                    num_heavy_decodes=r.num_heavy_decodes + int(heavy),
+                    num_light_decodes=r.num_light_decodes + int(not heavy),
+                )
+                return
+
+    def _retry_dispatch(self) -> None:
+        for _ in range(len(self.awaiting_dispatch)):
+            rid = self.awaiting_dispatch.popleft()
+            if rid in self.staged:
+                self._dispatch(rid)
+
+    # ---- transfer ------------------------------------------------------------------------
+    def _on_kv_ready(self, msg: KVReady) -> None:
+        staged = self.staged.get(msg.request_id)
+        if staged is None:  # aborted meanwhile; the decode side times out and frees its blocks
+            return
+        backend = self.ctx.backend
+        if staged.sending_tid is not None:
+            self._release_tid(staged.sending_tid)
+        staged.sending_tid = msg.transfer_id
+        staged.send_started = time.perf_counter()
+        try:
+            backend.send(msg.transfer_id, staged.tensors, msg.region, timeout_s=self.ctx.spec.transfer_timeout_s)
+        except (ValueError, RuntimeError):
+            staged.sending_tid = None  # the receiver times out and re-posts or gives up
+
+    def poll_transfers(self) -> None:
+        """Free finished sends. Success is decided (and reported) by the receiving decode instance."""
+        from tetriinfer.transfer import TransferState
+
+        for staged in list(self.staged.values()):
+            tid = staged.sending_tid
+            if tid is None:
+                continue
+            state = self.ctx.backend.poll(tid)
+            if state is TransferState.DONE or state is TransferState.FAILED:
+                self._release_tid(tid)
+                staged.sending_tid = None
+
+    def _release_tid(self, tid: str) -> None:
+        try:
+            self.ctx.backend.release(tid)
+        except KeyError:
+            pass
+
+    def _on_kv_done(self, msg: KVDone) -> None:
+        staged = self.staged.get(msg.request_id)
+        if staged is None:
+            return
+        if not msg.failed:
+            self._drop(msg.request_id)
+            return
+        if staged.dispatch_attempts >= self.ctx.spec.max_dispatch_attempts:
+            self.ctx.emit_error(
+                msg.request_id, staged.request.num_output_tokens, f"KV transfer failed: {msg.reason}"
+            )
+            self._drop(msg.request_id)
+            return
+        self._dispatch(msg.request_id)
+
+    def _drop(self, rid: str) -> None:
+        staged = self.staged.pop(rid, None)
+        if staged is not None and staged.sending_tid is not None:
+            self._release_tid(staged.sending_tid)
+        if rid in self.awaiting_dispatch:
+            self.awaiting_dispatch.remove(rid)
+
+    def abort(self, rid: str) -> None:
+        if self.scheduler.abort(rid) is None:
+            if rid in self.scheduler.handed_over:
+                self.scheduler.release(rid)
+        self._drop(rid)
+
+    def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
+        rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
+        if self.staged:
+            from dataclasses import replace
+
+            rep = replace(rep, num_running=rep.num_running + len(self.staged))
+        return rep

@@ -1,0 +1,77 @@
+"""What every role worker (prefill, decode, colocated) shares inside one instance process.
+
+A worker owns its scheduler and the per-request bookkeeping of its role; the ``InstanceContext`` owns
+the engine (model runner + KV tensors), sockets and the transfer backend, which survive a role flip.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.load import InstanceState, LoadReport
+from tetriinfer.core.request import FINISH_REASON, Request
+from tetriinfer.engine.model_runner import ModelRunner
+from tetriinfer.runtime.instance_spec import InstanceSpec
+from tetriinfer.runtime.messages import Message, TokenItem, WireLoad
+
+
+@dataclass
+class InstanceContext:
+    spec: InstanceSpec
+    runner: ModelRunner
+    kv_manager: KVCacheManager
+    max_model_len: int
+    backend: Any  # tetriinfer.transfer.TransferBackend
+    send_front: Callable[[Message], None]
+    send_peer: Callable[[str, Message], None]
+    predictor: Any = None
+    outbox: list[TokenItem] = field(default_factory=list)
+
+    @property
+    def instance_id(self) -> str:
+        return self.spec.instance_id
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
+
+    def emit_tokens(self, req: Request, new_tokens: list[int]) -> None:
+        if new_tokens:
+            index = req.num_output_tokens - len(new_tokens)
+            self.outbox.append(TokenItem(req.request_id, index, list(new_tokens)))
+
+    def emit_finished(self, req: Request) -> None:
+        stop = req.stop_reason if isinstance(req.stop_reason, int) else None
+        self.outbox.append(
+            TokenItem(req.request_id, req.num_output_tokens, [], True, FINISH_REASON[req.status], stop)
+        )
+
+    def emit_error(self, request_id: str, index: int, message: str) -> None:
+        self.outbox.append(TokenItem(request_id, index, [], True, "error", None, message))
+
+
+def wire_load(report: LoadReport, busy_s: float, steps: int) -> WireLoad:
+    return WireLoad(
+        instance_id=report.instance_id, role=report.role.value, state=report.state.value, time=report.time,
+        num_queued=report.num_queued, num_running=report.num_running, num_free_blocks=report.num_free_blocks,
+        num_used_blocks=report.num_used_blocks, block_size=report.block_size,
+        tokens_in_flight=report.tokens_in_flight, num_heavy_decodes=report.num_heavy_decodes,
+        num_light_decodes=report.num_light_decodes, utilization=report.utilization, busy_s=busy_s, steps=steps,
+    )
+
+
+def load_from_wire(w: WireLoad) -> LoadReport:
+    from tetriinfer.core.load import Role
+
+    role = Role(w.role) if w.role in ("prefill", "decode") else Role.DECODE
+    return LoadReport(
+        instance_id=w.instance_id, role=role, state=InstanceState(w.state), time=w.time,
+        num_queued=w.num_queued, num_running=w.num_running, num_free_blocks=w.num_free_blocks,
+        num_used_blocks=w.num_used_blocks, block_size=w.block_size, tokens_in_flight=w.tokens_in_flight,
+        num_heavy_decodes=w.num_heavy_decodes, num_light_decodes=w.num_light_decodes,
+        utilization=w.utilization,
+    )

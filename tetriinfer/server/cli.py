@@ -1,0 +1,127 @@
+"""``tetriinfer serve``: the OpenAI-compatible server over a cluster of instance processes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from tetriinfer.runtime.cluster_config import MODES
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama, made on first use)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--mode", default="tetriinfer", choices=[*MODES, "single"],
+                   help="tetriinfer (disaggregated), distserve, colocated (vLLM-style), sarathi, single (in-process)")
+    p.add_argument("--prefill-instances", type=int, default=1)
+    p.add_argument("--decode-instances", type=int, default=1)
+    p.add_argument("--instances", type=int, default=2, help="instances in colocated modes")
+    p.add_argument("--cores-per-instance", type=int, default=1)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefill-policy", default="fcfs", choices=["fcfs", "sjf", "ljf", "srtf"])
+    p.add_argument("--prefill-sched-batch", type=int, default=16)
+    p.add_argument("--dispatch-policy", default="length-aware",
+                   choices=["length-aware", "random", "round-robin", "least-loaded", "imbalanced"])
+    p.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
+    p.add_argument("--heavy-decode-tokens", type=int, default=128)
+    p.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
+    p.add_argument("--kv-backend", default="tcp", help="tcp | shm | nixl | faulty[:tcp|shm]")
+    p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
+    p.add_argument("--transfer-timeout", type=float, default=10.0)
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--flip-threshold", type=float, default=0.1)
+    p.add_argument("--flip-window", type=float, default=2.0)
+    p.add_argument("--report-interval", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    faults = p.add_argument_group("fault injection (testing; with --kv-backend faulty[:tcp|shm])")
+    faults.add_argument("--fault-drop-p", type=float, default=0.0)
+    faults.add_argument("--fault-delay-p", type=float, default=0.0)
+    faults.add_argument("--fault-corrupt-p", type=float, default=0.0)
+
+
+def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
+    from tetriinfer.runtime.cluster_config import ClusterConfig
+
+    return ClusterConfig(
+        model=model, mode=args.mode, dtype=args.dtype, device=args.device, load_format=args.load_format,
+        prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
+        instances=args.instances, chunk_size=args.chunk_size, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
+        prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
+        decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=args.predictor,
+        kv_backend=args.kv_backend, link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
+        flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
+        report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
+        fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
+    )
+
+
+def build_client(args: argparse.Namespace) -> Any:
+    model = args.model
+    if model is None:
+        from tetriinfer.engine.make_model import default_model_path
+
+        model = str(default_model_path())
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model folder {model!r} does not exist")
+    name = args.served_model_name or os.path.basename(os.path.normpath(model))
+    if args.mode == "single":
+        from tetriinfer.engine.engine_config import EngineConfig
+        from tetriinfer.runtime.inprocess import InProcessEngineClient
+
+        cfg = EngineConfig(model=model, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size,
+                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                           kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
+                           max_model_len=args.max_model_len, load_format=args.load_format)
+        return InProcessEngineClient(cfg, model_name=name), name
+    from tetriinfer.runtime.cluster import ClusterEngineClient
+
+    return ClusterEngineClient(cluster_config_from_args(args, model), model_name=name), name
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tetriinfer.server.app import build_app
+
+    client, name = build_client(args)
+    app = build_app(client, served_model_name=name, api_key=args.api_key)
+    if hasattr(client, "metrics"):
+        client.metrics = app.state.metrics
+    desc = args.mode
+    if args.mode in ("tetriinfer", "distserve"):
+        desc += f" ({args.prefill_instances} prefill + {args.decode_instances} decode instances)"
+    elif args.mode != "single":
+        desc += f" ({args.instances} instances)"
+    print(f"TetriInfer serving {name!r} in mode {desc} at http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def add_subparsers(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server")
+    add_cluster_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(handler=_serve)
+
+
+if __name__ == "__main__":
+    from tetriinfer.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))
