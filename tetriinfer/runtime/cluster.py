@@ -379,11 +379,11 @@ class ClusterEngineClient:
             await asyncio.sleep(interval)
             self._check_processes()
             loads = [load_from_wire(i.load) for i in self.instances.values() if i.load is not None]
-            if self.config.flip and loads:
+            if self.config.flip and self.config.disaggregated and loads:
                 for cmd in self.flip_policy.observe(loads, time.time()):
-                    if cmd.action is FlipAction.DRAIN:
-                        info = self.instances[cmd.instance_id]
-                        await info.socket.send(encode(SetRole(cmd.to_role.value)))  # type: ignore[union-attr]
+                    info = self.instances[cmd.instance_id]
+                    switch = cmd.action is FlipAction.SWITCH
+                    await info.socket.send(encode(SetRole(cmd.to_role.value, switch)))  # type: ignore[union-attr]
                 loads = self.flip_policy.annotate(loads)
             if not self.config.disaggregated:
                 continue

@@ -153,9 +153,11 @@ class Instance:
             self.peer_addresses = dict(msg.addresses)
         elif isinstance(msg, SetRole):
             if msg.role != self.role and msg.role in WORKERS:
-                self.target_role = msg.role
-                self.state = InstanceState.DRAINING
-                self.drain_started = time.perf_counter()
+                if self.state is InstanceState.ACTIVE:
+                    self.state = InstanceState.DRAINING
+                    self.drain_started = time.perf_counter()
+                if msg.switch:
+                    self.target_role = msg.role
         else:
             self.worker.handle(msg)
         return True

@@ -73,9 +73,11 @@ class DecodeLoads(msgspec.Struct, tag=True, frozen=True):
 
 
 class SetRole(msgspec.Struct, tag=True, frozen=True):
-    """Flip: drain, then switch to ``role`` in place (no model reload)."""
+    """Flip, in two commands from the monitor: ``switch=False`` = start draining towards ``role``;
+    ``switch=True`` = (drained) switch to ``role`` in place, with no model reload."""
 
     role: str
+    switch: bool = False
 
 
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
