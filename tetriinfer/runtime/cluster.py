@@ -42,6 +42,7 @@ from tetriinfer.runtime.messages import (
     Hello,
     NewRequest,
     PeerTable,
+    PredictorStat,
     RoleSwitched,
     SetRole,
     Shutdown,
@@ -98,6 +99,7 @@ class ClusterEngineClient:
         )
         self.flip_log: list[dict[str, Any]] = []
         self.transfer_log = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self.predictor_log = {"count": 0, "seconds": 0.0}
         self.metrics: Any = None  # a server.metrics.ServerMetrics, set by the server
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
@@ -166,7 +168,7 @@ class ClusterEngineClient:
             heavy_decode_tokens=c.heavy_decode_tokens, kv_backend=c.kv_backend, link_bandwidth=c.link_bandwidth,
             transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
             fault_drop_p=c.fault_drop_p, fault_delay_p=c.fault_delay_p, fault_corrupt_p=c.fault_corrupt_p,
-            predictor=predictor, report_interval_s=c.report_interval_s,
+            predictor=predictor, predictor_mode=c.predictor_mode, report_interval_s=c.report_interval_s,
         )
 
     async def _await_hellos(self) -> None:
@@ -245,6 +247,8 @@ class ClusterEngineClient:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if request_id in self.streams:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if oracle_output_tokens is None and (params.ignore_eos or params.min_tokens >= params.max_tokens):
+            oracle_output_tokens = params.max_tokens  # the output length is known exactly (oracle ablations)
         stream = _Stream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
         self.policy.add(request_id, time.time(), len(prompt_token_ids))
@@ -360,6 +364,12 @@ class ClusterEngineClient:
                     self.metrics.observe_transfer(msg.num_bytes, msg.seconds, backend=msg.backend, outcome=msg.outcome)
             elif isinstance(msg, RoleSwitched):
                 self._on_switched(msg)
+            elif isinstance(msg, PredictorStat):
+                self.predictor_log["count"] += len(msg.latencies_s)
+                self.predictor_log["seconds"] += sum(msg.latencies_s)
+                if self.metrics is not None and hasattr(self.metrics, "observe_predictor"):
+                    for secs in msg.latencies_s:
+                        self.metrics.observe_predictor(secs)
 
     def _on_switched(self, msg: RoleSwitched) -> None:
         info = self.instances[msg.instance_id]
@@ -439,5 +449,6 @@ class ClusterEngineClient:
             "instances": out,
             "flips": list(self.flip_log),
             "transfers": dict(self.transfer_log),
+            "predictor": dict(self.predictor_log),
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
         }

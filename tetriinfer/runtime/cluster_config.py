@@ -34,6 +34,7 @@ class ClusterConfig:
     decode_policy: str = "greedy"
     heavy_decode_tokens: int = 128
     predictor: str = "none"
+    predictor_mode: str = "parallel"
     kv_backend: str = "tcp"
     link_bandwidth: str | None = None
     transfer_timeout_s: float = 10.0

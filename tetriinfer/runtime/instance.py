@@ -24,6 +24,7 @@ from tetriinfer.runtime.messages import (
     Hello,
     Message,
     PeerTable,
+    PredictorStat,
     RoleSwitched,
     SetRole,
     Shutdown,
@@ -193,6 +194,10 @@ class Instance:
         util = min(1.0, self._busy_since_report / interval) if interval > 0 else 0.0
         rep = self.worker.load_report(now, util, self.state)
         self._send_front(wire_load(rep, self.busy_s, self.steps))
+        lat = getattr(self.worker, "predictor_latencies", None)
+        if lat:
+            self._send_front(PredictorStat(self.spec.instance_id, list(lat)))
+            lat.clear()
         self._busy_since_report = 0.0
         self._last_report = now
 

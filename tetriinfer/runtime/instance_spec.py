@@ -48,11 +48,14 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     fault_delay_s: float = 0.2
     # predictor: "none" | "oracle" | a predictor folder
     predictor: str = "none"
+    predictor_mode: str = "parallel"  # parallel (overlaps prefill) | sequential
     report_interval_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.predictor_mode not in ("parallel", "sequential"):
+            raise ValueError(f"predictor_mode must be 'parallel' or 'sequential', got {self.predictor_mode!r}")
         if self.report_interval_s <= 0:
             raise ValueError("report_interval_s must be > 0")
         if self.transfer_attempts < 1 or self.max_dispatch_attempts < 1:

@@ -172,6 +172,11 @@ class WireLoad(msgspec.Struct, tag=True, frozen=True):
     steps: int
 
 
+class PredictorStat(msgspec.Struct, tag=True, frozen=True):
+    instance_id: str
+    latencies_s: list[float]
+
+
 class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
     instance_id: str
     role: str
@@ -181,7 +186,7 @@ class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
 
 Message = (
     NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Handoff | KVReady | KVDone | Hello
-    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched
+    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | PredictorStat
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -49,3 +49,55 @@ def make_predictor_hook(spec: str, tokenizer: Any = None) -> OracleHook | ModelH
     if spec == "oracle":
         return OracleHook()
     return ModelHook(spec, tokenizer)
+
+
+class PredictionService:
+    """Runs a hook on a background thread so prediction overlaps the main model's prefill (the
+    paper's *parallel* mode). ``submit`` never blocks; ``drain`` returns finished predictions.
+
+    Invariant: every submitted request id comes back from ``drain`` exactly once (with ``None`` when
+    the hook fails or has no answer), unless cancelled first.
+    """
+
+    def __init__(self, hook: OracleHook | ModelHook) -> None:
+        import queue
+        import threading
+
+        self.hook = hook
+        self._in: queue.Queue = queue.Queue()
+        self._out: list[tuple[str, tuple[int, int, int] | None, float]] = []
+        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="length-predictor", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], oracle: int | None) -> None:
+        self._in.put((request_id, prompt_token_ids, oracle))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def drain(self) -> list[tuple[str, tuple[int, int, int] | None, float]]:
+        with self._lock:
+            out, self._out = self._out, []
+            keep = [o for o in out if o[0] not in self._cancelled]
+            self._cancelled.difference_update(o[0] for o in out)
+        return keep
+
+    def _run(self) -> None:
+        while True:
+            item = self._in.get()
+            if item is None:
+                return
+            rid, ids, oracle = item
+            t0 = time.perf_counter()
+            try:
+                pred = self.hook.predict_one(ids, oracle)
+            except Exception:  # noqa: BLE001 - a failed prediction degrades to "unknown", never a crash
+                pred = None
+            with self._lock:
+                self._out.append((rid, pred, time.perf_counter() - t0))
+
+    def close(self) -> None:
+        self._in.put(None)

@@ -62,9 +62,16 @@ class PrefillWorker:
                 prefill_sched_batch=spec.prefill_sched_batch,
                 chunk_size=spec.chunk_size,
                 max_model_len=ctx.max_model_len,
+                require_prediction=ctx.predictor is not None and spec.predictor_mode == "parallel",
             ),
             ctx.kv_manager,
         )
+        self.prediction_service = None
+        if ctx.predictor is not None and spec.predictor_mode == "parallel":
+            from tetriinfer.runtime.predictor_hook import PredictionService
+
+            self.prediction_service = PredictionService(ctx.predictor)
+        self.predictor_latencies: list[float] = []
         self.dispatcher = Dispatcher(
             DispatcherConfig(policy=spec.dispatch_policy, heavy_decode_tokens=spec.heavy_decode_tokens, seed=spec.seed)
         )
@@ -105,18 +112,43 @@ class PrefillWorker:
         pred = self.ctx.predictor
         if pred is None:
             return
+        if self.prediction_service is not None:  # parallel: overlaps this request's prefill
+            self.prediction_service.submit(req.request_id, req.prompt_token_ids, msg.oracle_output_tokens)
+            return
+        t0 = time.perf_counter()
         bucket = pred.predict_one(req.prompt_token_ids, msg.oracle_output_tokens)
+        self.predictor_latencies.append(time.perf_counter() - t0)
         if bucket is not None:
             req.predicted_bucket, req.predicted_lower, req.predicted_upper = bucket
 
+    def _collect_predictions(self) -> None:
+        if self.prediction_service is None:
+            return
+        for rid, bucket, secs in self.prediction_service.drain():
+            self.predictor_latencies.append(secs)
+            if rid not in self.scheduler.requests:
+                continue
+            b, lo, hi = bucket if bucket is not None else (0, 0, 0)
+            if bucket is None:  # unknown length: dispatch as a light request with no reservation hint
+                req = self.scheduler.requests[rid]
+                ready = self.scheduler.set_prediction(rid, 0, 0, 0)
+                req.predicted_bucket = req.predicted_lower = req.predicted_upper = None
+            else:
+                ready = self.scheduler.set_prediction(rid, b, lo, hi)
+            if ready is not None:
+                self._stage(ready)
+
     # ---- stepping ------------------------------------------------------------------------
     def has_work(self) -> bool:
+        # Requests waiting only for their prediction do not count: the loop then sleeps on its socket
+        # (<= 5 ms) instead of spinning on the core the predictor thread needs.
         return self.scheduler.num_queued > 0 or bool(self.awaiting_dispatch)
 
     def is_empty(self) -> bool:
         return not self.scheduler.has_unfinished() and not self.staged
 
     def step(self) -> bool:
+        self._collect_predictions()
         self._retry_dispatch()
         if self.scheduler.num_queued == 0:
             return False
@@ -255,6 +287,8 @@ class PrefillWorker:
             self.awaiting_dispatch.remove(rid)
 
     def abort(self, rid: str) -> None:
+        if self.prediction_service is not None:
+            self.prediction_service.cancel(rid)
         if self.scheduler.abort(rid) is None:
             if rid in self.scheduler.handed_over:
                 self.scheduler.release(rid)

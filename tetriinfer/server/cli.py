@@ -36,6 +36,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
     p.add_argument("--heavy-decode-tokens", type=int, default=128)
     p.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
+    p.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
     p.add_argument("--kv-backend", default="tcp", help="tcp | shm | nixl | faulty[:tcp|shm]")
     p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
@@ -62,6 +63,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
         decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=args.predictor,
+        predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
         flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,

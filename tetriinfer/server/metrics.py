@@ -88,6 +88,10 @@ class ServerMetrics:
                              registry=r)
         self.flip_seconds = Histogram("instance_flip_seconds", "Time an instance took to flip its role.",
                                       namespace=ns, registry=r, buckets=FLIP_SECONDS_BUCKETS)
+        self.predictor_seconds = Histogram(
+            "length_predictor_seconds", "Latency of one output-length prediction at a prefill instance.",
+            namespace=ns, registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
         self._lock = threading.Lock()
 
     # ---- requests (HTTP layer) -----------------------------------------------------------
@@ -131,6 +135,9 @@ class ServerMetrics:
         self.flips.labels(from_role=from_role, to_role=to_role).inc()
         if seconds is not None:
             self.flip_seconds.observe(max(0.0, seconds))
+
+    def observe_predictor(self, seconds: float) -> None:
+        self.predictor_seconds.observe(max(0.0, seconds))
 
     def update_cluster(self, info: Mapping[str, Any]) -> None:
         """Replace the per-instance gauges with the values in ``cluster_info()``'s ``instances``."""
