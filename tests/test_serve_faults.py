@@ -11,10 +11,11 @@ import pytest
 from tests.serve_helpers import ServeProcess, pid_alive
 
 
-@pytest.fixture(scope="module")
-def faulty_server(tiny_llama):
+@pytest.fixture(scope="module", params=["request", "chunk"])
+def faulty_server(request, tiny_llama):
     srv = ServeProcess(
-        tiny_llama, "--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "faulty:tcp",
+        tiny_llama, "--mode", "tetriinfer", "--chunk-size", "32", "--kv-transfer", request.param,
+        "--kv-backend", "faulty:tcp",
         "--fault-drop-p", "0.3", "--fault-delay-p", "0.2", "--fault-corrupt-p", "0.2", "--transfer-timeout", "1.0",
     )
     yield srv

@@ -165,7 +165,7 @@ class ClusterEngineClient:
             prefill_policy=prefill_policy, prefill_sched_batch=c.prefill_sched_batch, dispatch_policy=dispatch,
             decode_policy=decode_policy, colocated_policy="sarathi" if c.mode == "sarathi" else "vllm",
             max_num_batched_tokens=c.chunk_size if c.mode == "sarathi" else c.max_num_batched_tokens,
-            heavy_decode_tokens=c.heavy_decode_tokens, kv_backend=c.kv_backend, link_bandwidth=c.link_bandwidth,
+            heavy_decode_tokens=c.heavy_decode_tokens, kv_backend=c.kv_backend, kv_transfer=c.kv_transfer, link_bandwidth=c.link_bandwidth,
             transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
             fault_drop_p=c.fault_drop_p, fault_delay_p=c.fault_delay_p, fault_corrupt_p=c.fault_corrupt_p,
             predictor=predictor, predictor_mode=c.predictor_mode, report_interval_s=c.report_interval_s,

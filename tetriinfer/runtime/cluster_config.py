@@ -36,6 +36,7 @@ class ClusterConfig:
     predictor: str = "none"
     predictor_mode: str = "parallel"
     kv_backend: str = "tcp"
+    kv_transfer: str = "request"
     link_bandwidth: str | None = None
     transfer_timeout_s: float = 10.0
     transfer_attempts: int = 3

@@ -18,7 +18,7 @@ import torch
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import Request
-from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, TransferStat
+from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, PrefillDone, TransferStat
 from tetriinfer.runtime.worker_base import InstanceContext
 
 
@@ -48,12 +48,20 @@ class DecodeWorker:
         )
         self.pending: deque[Handoff] = deque()
         self.receiving: dict[str, Receiving] = {}
+        # chunk-wise transfers: first tokens that arrived (PrefillDone) and KV that completed first
+        self.first_tokens: dict[str, list[int]] = {}
+        self.kv_complete: dict[str, Receiving] = {}
 
     # ---- messages ------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
             self.pending.append(msg)
             self._admit()
+        elif isinstance(msg, PrefillDone):
+            self.first_tokens[msg.request_id] = list(msg.output_token_ids)
+            rcv = self.kv_complete.pop(msg.request_id, None)
+            if rcv is not None:
+                self._activate(rcv)
         elif isinstance(msg, Abort):
             self.abort(msg.request_id)
 
@@ -66,7 +74,9 @@ class DecodeWorker:
                 sampling_params=h.params.to_params(),
                 arrival_time=h.arrival_time,
                 eos_token_id=h.eos_token_id,
-                output_token_ids=list(h.output_token_ids),
+                # Chunk-wise handoffs arrive before the first token exists: a placeholder sizes the
+                # reservation and is replaced by PrefillDone before the request ever runs.
+                output_token_ids=list(h.output_token_ids) if not h.early else [0],
             )
             req.num_computed_tokens = req.num_tokens - 1
             if h.prediction is not None:
@@ -90,7 +100,9 @@ class DecodeWorker:
         shape = (h.num_kv_blocks, kv.block_size, *ref.shape[1:])
         staging = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in range(2 * len(kv.k))]
         tid = f"{h.request_id}#{attempt}"
-        region = self.ctx.backend.recv(tid, staging, timeout_s=self.ctx.spec.transfer_timeout_s)
+        # Chunk-wise: one slot per (layer tensor, block) so blocks can arrive as chunks complete.
+        slots = [t[b] for t in staging for b in range(h.num_kv_blocks)] if h.early else staging
+        region = self.ctx.backend.recv(tid, slots, timeout_s=self.ctx.spec.transfer_timeout_s)
         self.receiving[h.request_id] = Receiving(h, staging, tid, attempt, time.perf_counter())
         self.ctx.send_peer(h.prefill_id, KVReady(h.request_id, tid, region))
 
@@ -102,12 +114,12 @@ class DecodeWorker:
             state = backend.poll(rcv.transfer_id)
             if state is TransferState.DONE:
                 del self.receiving[rid]
-                table = self.scheduler.block_table(rid)
-                self.ctx.runner.kv.write_blocks(table[: rcv.handoff.num_kv_blocks], rcv.staging)
                 self._release_tid(rcv.transfer_id)
-                self.scheduler.on_kv_received(rid)
-                self.ctx.send_peer(rcv.handoff.prefill_id, KVDone(rid))
                 self._report_transfer(rcv, "done")
+                if rcv.handoff.early and rid not in self.first_tokens:
+                    self.kv_complete[rid] = rcv  # KV is in; the first token is still on its way
+                else:
+                    self._activate(rcv)
             elif state is TransferState.FAILED:
                 reason = backend.status(rcv.transfer_id).reason or "transfer failed"
                 self._report_transfer(rcv, "failed")
@@ -118,6 +130,20 @@ class DecodeWorker:
                 else:
                     self.scheduler.transfer_failed(rid)
                     self.ctx.send_peer(rcv.handoff.prefill_id, KVDone(rid, failed=True, reason=reason))
+
+    def _activate(self, rcv: Receiving) -> None:
+        rid = rcv.handoff.request_id
+        if rid not in self.scheduler.reserved:  # aborted meanwhile
+            self.first_tokens.pop(rid, None)
+            return
+        if rcv.handoff.early:
+            req = self.scheduler.reserved[rid]
+            req.output_token_ids = self.first_tokens.pop(rid)
+            req.num_computed_tokens = req.num_tokens - 1
+        table = self.scheduler.block_table(rid)
+        self.ctx.runner.kv.write_blocks(table[: rcv.handoff.num_kv_blocks], rcv.staging)
+        self.scheduler.on_kv_received(rid)
+        self.ctx.send_peer(rcv.handoff.prefill_id, KVDone(rid))
 
     def _report_transfer(self, rcv: Receiving, outcome: str) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in rcv.staging)
@@ -135,7 +161,7 @@ class DecodeWorker:
         return bool(self.scheduler.running or self.scheduler.suspended)
 
     def is_empty(self) -> bool:
-        return not self.scheduler.has_unfinished() and not self.pending and not self.receiving
+        return not self.scheduler.has_unfinished() and not self.pending and not self.receiving and not self.kv_complete
 
     def step(self) -> bool:
         if self.pending:
@@ -167,6 +193,8 @@ class DecodeWorker:
         rcv = self.receiving.pop(rid, None)
         if rcv is not None:
             self._release_tid(rcv.transfer_id)
+        self.kv_complete.pop(rid, None)
+        self.first_tokens.pop(rid, None)
         self.scheduler.abort(rid)
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:

@@ -37,6 +37,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     heavy_decode_tokens: int = 128
     # transfer
     kv_backend: str = "tcp"
+    kv_transfer: str = "request"  # request (after prefill, the paper) | chunk (block-wise while prefilling)
     link_bandwidth: str | None = None
     link_latency_s: float = 0.0
     transfer_timeout_s: float = 10.0
@@ -56,6 +57,8 @@ class InstanceSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.predictor_mode not in ("parallel", "sequential"):
             raise ValueError(f"predictor_mode must be 'parallel' or 'sequential', got {self.predictor_mode!r}")
+        if self.kv_transfer not in ("request", "chunk"):
+            raise ValueError(f"kv_transfer must be 'request' or 'chunk', got {self.kv_transfer!r}")
         if self.report_interval_s <= 0:
             raise ValueError("report_interval_s must be > 0")
         if self.transfer_attempts < 1 or self.max_dispatch_attempts < 1:

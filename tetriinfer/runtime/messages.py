@@ -97,6 +97,16 @@ class Handoff(msgspec.Struct, tag=True, frozen=True):
     eos_token_id: int | None
     num_kv_blocks: int  # blocks the KV payload covers (positions [0, num_tokens - 1))
     prediction: Prediction | None = None
+    # Chunk-wise transfer: sent after the first chunk, before the prompt is fully prefilled. The KV then
+    # arrives block by block (one slot per layer, K/V and block) and ``PrefillDone`` brings the first token.
+    early: bool = False
+
+
+class PrefillDone(msgspec.Struct, tag=True, frozen=True):
+    """Prefill -> decode (chunk-wise mode): the prompt is prefilled; its sampled first token(s)."""
+
+    request_id: str
+    output_token_ids: list[int]
 
 
 class KVReady(msgspec.Struct, tag=True, frozen=True):
@@ -185,7 +195,8 @@ class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
 
 
 Message = (
-    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Handoff | KVReady | KVDone | Hello
+    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Handoff | PrefillDone | KVReady | KVDone
+    | Hello
     | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | PredictorStat
 )
 

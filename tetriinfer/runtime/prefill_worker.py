@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ from tetriinfer.runtime.messages import (
     KVReady,
     NewRequest,
     Prediction,
+    PrefillDone,
     WireParams,
     decode_load,
 )
@@ -48,6 +49,23 @@ class StagedKV:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclass
+class KVStream:
+    """A chunk-wise transfer: the decode instance is chosen after the request's first chunk and its KV
+    blocks are sent as chunks complete. Slot ``l * num_blocks + b`` = layer tensor ``l`` (K/V
+    interleaved), block ``b``. Device blocks are held until the decode side confirms (KVDone)."""
+
+    request: Request
+    decode_id: str
+    num_blocks: int
+    dispatch_attempts: int = 1
+    transfer_id: str | None = None
+    sent_blocks: int = 0
+    prefilled: bool = False
+    closed: bool = False
+    keep: list[torch.Tensor] = field(default_factory=list)  # sources live until the transfer ends
 
 
 class PrefillWorker:
@@ -77,6 +95,9 @@ class PrefillWorker:
         )
         self.decode_loads: list[LoadReport] = []
         self.staged: dict[str, StagedKV] = {}
+        self.streams: dict[str, KVStream] = {}  # chunk-wise transfers (kv_transfer == "chunk")
+        self.chunk_mode = spec.kv_transfer == "chunk"
+        self.no_stream: set[str] = set()  # requests whose chunk-wise transfer failed
         self.awaiting_dispatch: deque[str] = deque()
         self.oracle: dict[str, int] = {}
 
@@ -145,7 +166,7 @@ class PrefillWorker:
         return self.scheduler.num_queued > 0 or bool(self.awaiting_dispatch)
 
     def is_empty(self) -> bool:
-        return not self.scheduler.has_unfinished() and not self.staged
+        return not self.scheduler.has_unfinished() and not self.staged and not self.streams
 
     def step(self) -> bool:
         self._collect_predictions()
@@ -163,9 +184,80 @@ class PrefillWorker:
                 self.ctx.emit_tokens(req, [upd.new_tokens[rid]])
         for req in upd.finished:
             self.ctx.emit_finished(req)
+            stream = self.streams.get(req.request_id)
+            if stream is not None:  # ended by its first token: the decode side must free its reservation
+                self.ctx.send_peer(stream.decode_id, Abort(req.request_id))
+                self._drop_stream(req.request_id)
+        if self.chunk_mode:
+            self._open_streams(out)
         for req in upd.prefilled:
-            self._stage(req)
+            self._on_prefilled(req)
+        if self.chunk_mode:
+            self._pump_streams()
         return True
+
+    def _on_prefilled(self, req: Request) -> None:
+        stream = self.streams.get(req.request_id)
+        if stream is None:
+            self._stage(req)
+            return
+        stream.prefilled = True
+        self.ctx.send_peer(stream.decode_id, PrefillDone(req.request_id, list(req.output_token_ids)))
+        self._pump_stream(stream)
+
+    # ---- chunk-wise transfer -------------------------------------------------------------
+    def _open_streams(self, out) -> None:
+        for seg in out.segments:
+            rid = seg.request_id
+            req = self.scheduler.requests.get(rid)
+            if req is None or rid in self.streams or rid in self.staged or rid in self.no_stream:
+                continue
+            if req.status.name != "WAITING" or req.output_token_ids:
+                continue  # already prefilled in this very step: the per-request path is as good
+            if self.ctx.predictor is not None and req.predicted_bucket is None:
+                continue  # dispatch needs the prediction; retried after the next chunk
+            decision = self.dispatcher.choose(self.decode_loads, req.num_tokens + 1, req.predicted_lower)
+            if decision.instance_id is None:
+                continue
+            self._account_dispatch(decision.instance_id, req)
+            n = self.ctx.kv_manager.pool.blocks_for_tokens(req.num_prompt_tokens)
+            self.streams[rid] = KVStream(req, decision.instance_id, n)
+            self._send_handoff(req, decision.instance_id, n, early=True)
+            self.ctx.send_front(Dispatched(rid, decision.instance_id))
+
+    def _pump_streams(self) -> None:
+        for stream in list(self.streams.values()):
+            self._pump_stream(stream)
+
+    def _pump_stream(self, stream: KVStream) -> None:
+        if stream.transfer_id is None or stream.closed:
+            return
+        req = stream.request
+        bs = self.ctx.kv_manager.block_size
+        upto = stream.num_blocks if stream.prefilled else min(stream.num_blocks, req.num_computed_tokens // bs)
+        if upto > stream.sent_blocks:
+            table = self.scheduler.block_table(req.request_id)
+            tensors = self.ctx.runner.kv.read_blocks(table[stream.sent_blocks : upto])  # 2L x [k, bs, H, D]
+            k = upto - stream.sent_blocks
+            buffers = [t[i] for t in tensors for i in range(k)]
+            slots = [layer * stream.num_blocks + stream.sent_blocks + i for layer in range(len(tensors)) for i in range(k)]
+            stream.keep.extend(tensors)
+            try:
+                self.ctx.backend.append(stream.transfer_id, buffers, slots=slots)
+            except (KeyError, ValueError, RuntimeError):
+                return  # the receiver times out and re-posts or gives up
+            stream.sent_blocks = upto
+        if stream.prefilled and stream.sent_blocks == stream.num_blocks:
+            try:
+                self.ctx.backend.close(stream.transfer_id)
+            except (KeyError, ValueError, RuntimeError):
+                return
+            stream.closed = True
+
+    def _drop_stream(self, rid: str) -> None:
+        stream = self.streams.pop(rid, None)
+        if stream is not None and stream.transfer_id is not None:
+            self._release_tid(stream.transfer_id)
 
     def _stage(self, req: Request) -> None:
         """Copy the request's KV out of the device blocks, release them, and dispatch."""
@@ -187,24 +279,28 @@ class PrefillWorker:
         staged.decode_id = decision.instance_id
         staged.dispatch_attempts += 1
         self._account_dispatch(decision.instance_id, req)
+        self._send_handoff(req, decision.instance_id, staged.num_blocks, early=False)
+        self.ctx.send_front(Dispatched(rid, decision.instance_id))
+
+    def _send_handoff(self, req: Request, decode_id: str, num_blocks: int, early: bool) -> None:
         pred = None
         if req.predicted_bucket is not None:
             pred = Prediction(req.predicted_bucket, req.predicted_lower or 0, req.predicted_upper or 0)
         self.ctx.send_peer(
-            decision.instance_id,
+            decode_id,
             Handoff(
-                request_id=rid,
+                request_id=req.request_id,
                 prefill_id=self.ctx.instance_id,
                 prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids,
+                output_token_ids=[] if early else req.output_token_ids,
                 params=WireParams.from_params(req.sampling_params),
                 arrival_time=req.arrival_time,
                 eos_token_id=req.eos_token_id,
-                num_kv_blocks=staged.num_blocks,
+                num_kv_blocks=num_blocks,
                 prediction=pred,
+                early=early,
             ),
         )
-        self.ctx.send_front(Dispatched(rid, decision.instance_id))
 
     def _account_dispatch(self, decode_id: str, req: Request) -> None:
         """Optimistically charge the chosen instance until its next load report (avoids herding)."""
@@ -232,6 +328,18 @@ class PrefillWorker:
 
     # ---- transfer ------------------------------------------------------------------------
     def _on_kv_ready(self, msg: KVReady) -> None:
+        stream = self.streams.get(msg.request_id)
+        if stream is not None:
+            if stream.transfer_id is not None:  # a re-posted receive: start over
+                self._release_tid(stream.transfer_id)
+            stream.transfer_id, stream.sent_blocks, stream.closed, stream.keep = msg.transfer_id, 0, False, []
+            try:
+                self.ctx.backend.open(msg.transfer_id, msg.region, timeout_s=self.ctx.spec.transfer_timeout_s)
+            except (ValueError, RuntimeError):
+                stream.transfer_id = None
+                return
+            self._pump_stream(stream)
+            return
         staged = self.staged.get(msg.request_id)
         if staged is None:  # aborted meanwhile; the decode side times out and frees its blocks
             return
@@ -265,6 +373,20 @@ class PrefillWorker:
             pass
 
     def _on_kv_done(self, msg: KVDone) -> None:
+        stream = self.streams.get(msg.request_id)
+        if stream is not None:
+            self._drop_stream(msg.request_id)
+            rid = msg.request_id
+            if not msg.failed:
+                if rid in self.scheduler.handed_over:
+                    self.scheduler.release(rid)
+                return
+            # Chunk-wise transfer failed: fall back to the per-request path (staging copy + re-dispatch).
+            self.no_stream.add(rid)
+            if rid in self.scheduler.handed_over:
+                self._stage(stream.request)
+                self.staged[rid].dispatch_attempts = stream.dispatch_attempts
+            return
         staged = self.staged.get(msg.request_id)
         if staged is None:
             return
@@ -287,6 +409,8 @@ class PrefillWorker:
             self.awaiting_dispatch.remove(rid)
 
     def abort(self, rid: str) -> None:
+        self._drop_stream(rid)
+        self.no_stream.discard(rid)
         if self.prediction_service is not None:
             self.prediction_service.cancel(rid)
         if self.scheduler.abort(rid) is None:

@@ -38,6 +38,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
     p.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
     p.add_argument("--kv-backend", default="tcp", help="tcp | shm | nixl | faulty[:tcp|shm]")
+    p.add_argument("--kv-transfer", default="request", choices=["request", "chunk"],
+                   help="send KV per request after prefill (paper) or block-wise while later chunks prefill")
     p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
@@ -64,7 +66,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
         decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=args.predictor,
         predictor_mode=args.predictor_mode,
-        kv_backend=args.kv_backend, link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
+        kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
         flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
