@@ -4,7 +4,12 @@ Everything is measured in the same run (the machine is shared and noisy) and rep
 - memcpy GB/s (numpy copy of 256 MB into a pre-touched buffer) and raw loopback TCP GB/s (plain sockets,
   sendall/recv_into, two threads);
 - each backend's GB/s for a KV-sized payload (64 MB in 16 arrays), sender open -> sender DONE (acknowledged),
-  in one process and, for shm/tcp, with the receiver in a child process;
+  in one process and, for shm/tcp, with the receiver in a child process (as the runtime runs: the decode worker
+  posts recv(), the prefill worker sends);
+- shm both ways: into ordinary receive buffers (staging path: two copies) and into buffers from the backend's
+  alloc() (shared-memory arena: the sender copies once, straight into them), allocated per transfer and dropped
+  after it, as a decode worker does per request;
+- many small transfers: 64 transfers of 1 MB (8 arrays each) posted at once, receiver in a child process;
 - chunk-wise overlap: N prefill chunks (real torch matmuls) with each chunk's KV sent over a paced link as the
   chunk completes, vs sending everything after prefill; reports the share of transfer time hidden by compute.
 Goals: shm >= 50% of memcpy, tcp >= 70% of raw socket, overlap hides >= 80%.
@@ -14,6 +19,7 @@ Usage: python benchmarks/bench_transfer.py [--quick] [--out docs/transfer.md]
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -30,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tetriinfer.transfer import PacedLink, RemoteRegion, TransferState, make_backend  # noqa: E402
-from tetriinfer.transfer.peer_process import child_receiver  # noqa: E402
+from tetriinfer.transfer.peer_process import child_receiver, child_receiver_batch  # noqa: E402
 
 GB = 1e9
 
@@ -91,16 +97,16 @@ def kv_arrays(total: int, n: int) -> list[np.ndarray]:
     return [rng.integers(0, 2**16, total // n // 2, dtype=np.uint16) for _ in range(n)]  # bf16 as uint16
 
 
-def bench_backend_inprocess(kind: str, src: list[np.ndarray], reps: int) -> float:
+def bench_backend_inprocess(kind: str, src: list[np.ndarray], reps: int, arena: bool = False) -> float:
     a, b = make_backend(kind), make_backend(kind)
-    dst = [np.ones_like(x) for x in src]
+    dst = b.alloc_like([x.shape for x in src], src[0].dtype) if arena else [np.ones_like(x) for x in src]
     best = float("inf")
     try:
         for r in range(reps + 1):  # first run warms pools, page tables and connections
             tid = f"{kind}-{r}"
-            b.recv(tid, dst)
+            region = b.recv(tid, dst)
             t0 = time.perf_counter()
-            a.send(tid, src, b.address)
+            a.send(tid, src, region)
             assert wait(a, tid) is TransferState.DONE and wait(b, tid) is TransferState.DONE
             if r:
                 best = min(best, time.perf_counter() - t0)
@@ -113,11 +119,12 @@ def bench_backend_inprocess(kind: str, src: list[np.ndarray], reps: int) -> floa
     return sum(x.nbytes for x in src) / best / GB
 
 
-def bench_backend_crossprocess(kind: str, src: list[np.ndarray], reps: int) -> float:
+def bench_backend_crossprocess(kind: str, src: list[np.ndarray], reps: int, arena: bool = False) -> float:
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     sizes = [x.nbytes for x in src]
-    proc = ctx.Process(target=child_receiver, args=(kind, "x", sizes, q_in, q_out, 60.0, reps + 1), daemon=True)
+    proc = ctx.Process(target=child_receiver, args=(kind, "x", sizes, q_in, q_out, 60.0, reps + 1, arena),
+                       daemon=True)
     proc.start()
     best = float("inf")
     try:
@@ -139,6 +146,40 @@ def bench_backend_crossprocess(kind: str, src: list[np.ndarray], reps: int) -> f
         if proc.is_alive():
             proc.kill()
     return sum(sizes) / best / GB
+
+
+def bench_small_crossprocess(kind: str, n: int, per_bytes: int, arrays: int, reps: int, arena: bool) -> float:
+    """`n` transfers of `per_bytes` each posted at once by a child receiver; first send -> last sender DONE."""
+    rng = np.random.default_rng(3)
+    srcs = [[rng.integers(0, 255, per_bytes // arrays, dtype=np.uint8) for _ in range(arrays)] for _ in range(n)]
+    sizes = [x.nbytes for x in srcs[0]]
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=child_receiver_batch,
+                       args=(kind, "s", sizes, n, q_in, q_out, 60.0, reps + 1, arena), daemon=True)
+    proc.start()
+    best = float("inf")
+    try:
+        with make_backend(kind) as a:
+            for r in range(reps + 1):
+                regions = [msgspec.msgpack.decode(x, type=RemoteRegion) for x in q_out.get(timeout=60)]
+                t0 = time.perf_counter()
+                for region, src in zip(regions, srcs, strict=True):
+                    a.send(region.region_id, src, region)
+                states = [wait(a, region.region_id) for region in regions]
+                if r:
+                    best = min(best, time.perf_counter() - t0)
+                st, sums, reasons = q_out.get(timeout=60)
+                assert all(s is TransferState.DONE for s in states) and set(st) == {"done"}, reasons
+                assert sums == [[int(x.sum(dtype=np.uint64)) for x in src] for src in srcs]
+                for region in regions:
+                    a.release(region.region_id)
+        q_in.put("bye")
+        proc.join(timeout=30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    return n * per_bytes / best / GB
 
 
 def calibrate_matmul(target_s: float) -> tuple[torch.Tensor, int]:
@@ -210,54 +251,127 @@ def bench_overlap(n_chunks: int, chunk_s: float, link: str, kv_ratio: float) -> 
     return out
 
 
+NOTES = """## How the shm backend moves bytes, and reading these numbers
+
+- **One copy (arena):** buffers from `backend.alloc(shape, dtype)` / `alloc_like(shapes, dtype)` live in the
+  backend's pooled shared-memory arena (64 MB `/dev/shm` segments, reused; freed when the last view is dropped).
+  `recv()` into them (or into slices of them) advertises each slot's (segment, offset) and a fence word in
+  `RemoteRegion.extra`; the sender maps the segment once (cached, pre-faulted) and copies straight into it,
+  re-checking the fence before every 4 MB piece, then sends one `Data` header with the Close folded in; the
+  receiver only answers `Ack`. Appends up to 2 MB are copied in the caller's thread (no hand-off to the I/O thread).
+  Symmetrically, a sender whose buffers come from its own `alloc()` lets the receiver copy straight out of them.
+- **Two copies (staging):** ordinary receive buffers still work unchanged: the sender copies into a pooled staging
+  segment, the receiver copies out. The ratio of this path is shown for comparison, not judged.
+- **Runtime wiring (decode side):** `staging = backend.alloc_like([shape] * (2 * num_layers), dtype)` instead of
+  `torch.empty` per request, then `backend.recv(tid, staging)` as before; drop `staging` after `write_blocks`.
+  On inproc/tcp/nixl `alloc_like` returns ordinary tensors, so the same code runs on every backend.
+- **Safety:** a receiver's arena buffers are written only while its region is open. Once it is DONE, FAILED,
+  cancelled or deregistered, its fence word is zeroed; a sender stops before its next piece. Arena ranges of a
+  region that did not end DONE are quarantined (max(1 s, cancel_wait_s)) before reuse, so a piece already in
+  flight can never land in memory handed out again. `/dev/shm` files are unlinked at shutdown; `stats()` reports
+  `arena_allocations`/`arena_bytes`, which return to 0 when the caller drops its buffers.
+- **Two memcpy baselines:** on this machine numpy copies of >= 192 MB run about twice as fast as copies of
+  <= 128 MB (glibc's `x86_non_temporal_threshold` here is 0xc000000 = 192 MB, above which it uses non-temporal
+  stores). The original 256 MB baseline is in that fast regime; a KV transfer (16 arrays of 4 MB, or 1 MB
+  requests) never is, so "payload memcpy" (copying the same arrays once) is the ceiling a one-copy path can reach.
+  The goal is judged against the stricter 256 MB baseline.
+- **tcp in one process:** both agents share one process, so one GIL and the single zmq I/O thread of
+  `zmq.Context.instance()`, which then does both the sending and the receiving socket work; across processes each
+  side has its own. On this shared 2-core machine the one-process ratio swings widely between runs (40% to over
+  100% of the raw socket in our runs); the cross-process case is the deployment case.
+- **Noise:** the machine is shared (load average 3-6 on 2 cores while these ran), so absolute GB/s vary by 2x
+  between runs; compare ratios from one run. A full GC pass with torch imported takes ~0.25 s; the benchmark
+  `gc.freeze()`s after imports so such a pass does not land inside a timed run.
+"""
+
+
+def bench_memcpy_payload(src: list[np.ndarray], reps: int) -> float:
+    """numpy copy of the payload's own arrays into pre-touched arrays: the cost of moving these bytes once."""
+    dst = [np.ones_like(x) for x in src]
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for d, x in zip(dst, src, strict=True):
+            np.copyto(d, x)
+        best = min(best, time.perf_counter() - t0)
+    return sum(x.nbytes for x in src) / best / GB
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller payloads, fewer repetitions")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "transfer.md"))
     args = ap.parse_args()
     torch.set_num_threads(1)  # leave a core to the transfer I/O threads, as a prefill worker pinned to one core
+    # torch makes the heap huge: a full GC pass takes ~0.25 s here and would land inside a timed run; freezing
+    # the import-time objects (as a serving process should after loading its model) keeps passes short.
+    gc.collect()
+    gc.freeze()
     mem_bytes = (64 if args.quick else 256) << 20
     kv_bytes = (16 if args.quick else 64) << 20
-    reps = 2 if args.quick else 3
+    reps = 2 if args.quick else 10  # best-of-many: the machine is shared and a quiet window is needed
     src = kv_arrays(kv_bytes, 16)
     res: dict[str, float] = {}
-    steps = ["memcpy", "raw socket", "inproc", "shm", "tcp", "shm x-proc", "tcp x-proc", "overlap"]
+    n_small = 16 if args.quick else 64
+    steps = ["memcpy", "memcpy payload", "raw socket", "inproc", "shm", "shm arena", "tcp", "shm x-proc",
+             "shm arena x-proc", "shm small x-proc", "shm arena small x-proc", "tcp x-proc", "overlap"]
     with tqdm(steps, desc="bench_transfer", unit="step") as bar:
         for step in bar:
             bar.set_postfix_str(step)
+            kind, arena = step.split()[0], "arena" in step
             if step == "memcpy":
                 res[step] = bench_memcpy(mem_bytes, reps + 1)
+            elif step == "memcpy payload":
+                res[step] = bench_memcpy_payload(src, reps + 1)
             elif step == "raw socket":
                 res[step] = bench_raw_socket(kv_bytes, reps + 1)
-            elif step in ("inproc", "shm", "tcp"):
-                res[step] = bench_backend_inprocess(step, src, reps)
+            elif "small" in step:
+                res[step] = bench_small_crossprocess(kind, n_small, 1 << 20, 8, reps, arena)
             elif step.endswith("x-proc"):
-                res[step] = bench_backend_crossprocess(step.split()[0], src, reps)
+                res[step] = bench_backend_crossprocess(kind, src, reps, arena)
+            elif step != "overlap":
+                res[step] = bench_backend_inprocess(kind, src, reps, arena)
             else:
                 ov = bench_overlap(n_chunks=10, chunk_s=0.03, link="2Gbps", kv_ratio=0.7)
-    mem, raw = res["memcpy"], res["raw socket"]
+    mem, pay, raw = res["memcpy"], res["memcpy payload"], res["raw socket"]
 
     def goal(v: float, g: float) -> str:
         return f"{v:.0%} ({'meets' if v >= g else 'below'} goal {g:.0%})"
+
+    def shm_row(label: str, key: str, judged: bool) -> str:
+        v = res[key]
+        first = goal(v / mem, 0.5) if judged else f"{v / mem:.0%}"
+        if judged:
+            label, first = f"**{label}**", f"**{first}**"
+        return f"| {label} | {v:.2f} | {first} of memcpy | {v / pay:.0%} of payload memcpy |"
 
     lines = [
         "# KV transfer benchmark",
         "",
         f"`python benchmarks/bench_transfer.py{' --quick' if args.quick else ''}` on {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__}; payload {kv_bytes >> 20} MB in 16 arrays; best of {reps} runs "
-        "(sender open -> sender DONE, i.e. acknowledged by the receiver). Baselines measured in the same run.",
+        "(sender open -> sender DONE, i.e. acknowledged by the receiver). Baselines measured in the same run. "
+        "\"child receiver\" = the receiver runs in a spawned process and posts `recv()`, the parent sends, as the "
+        "decode and prefill workers do. \"arena buffers\" = receive buffers from `backend.alloc_like()`, allocated "
+        "per transfer and dropped after it.",
         "",
-        "| path | GB/s | ratio to baseline |",
-        "|---|---|---|",
-        f"| memcpy (numpy copy, {mem_bytes >> 20} MB) | {mem:.2f} | baseline |",
-        f"| raw loopback TCP (sendall/recv_into) | {raw:.2f} | baseline |",
-        f"| inproc backend | {res['inproc']:.2f} | {res['inproc'] / mem:.0%} of memcpy |",
-        f"| shm backend (one process) | {res['shm']:.2f} | {goal(res['shm'] / mem, 0.5)} of memcpy |",
-        f"| shm backend (receiver in child process) | {res['shm x-proc']:.2f} | "
-        f"{goal(res['shm x-proc'] / mem, 0.5)} of memcpy |",
-        f"| tcp backend (one process) | {res['tcp']:.2f} | {goal(res['tcp'] / raw, 0.7)} of raw socket |",
+        "| path | GB/s | ratio to baseline | ratio to payload memcpy |",
+        "|---|---|---|---|",
+        f"| memcpy (numpy copy, {mem_bytes >> 20} MB) | {mem:.2f} | baseline | |",
+        f"| payload memcpy (numpy copy of the 16 payload arrays) | {pay:.2f} | {pay / mem:.0%} of memcpy | "
+        "baseline |",
+        f"| raw loopback TCP (sendall/recv_into) | {raw:.2f} | baseline | |",
+        f"| inproc backend | {res['inproc']:.2f} | {res['inproc'] / mem:.0%} of memcpy | "
+        f"{res['inproc'] / pay:.0%} of payload memcpy |",
+        shm_row("shm, ordinary buffers, one process (staging: 2 copies)", "shm", False),
+        shm_row("shm, arena buffers, one process (1 copy)", "shm arena", True),
+        shm_row("shm, ordinary buffers, child receiver (staging: 2 copies)", "shm x-proc", False),
+        shm_row("shm, arena buffers, child receiver (1 copy)", "shm arena x-proc", True),
+        shm_row(f"shm, {n_small} x 1 MB in flight, ordinary buffers, child receiver", "shm small x-proc", False),
+        shm_row(f"shm, {n_small} x 1 MB in flight, arena buffers, child receiver", "shm arena small x-proc", True),
+        f"| tcp backend (one process) | {res['tcp']:.2f} | {goal(res['tcp'] / raw, 0.7)} of raw socket | |",
         f"| tcp backend (receiver in child process) | {res['tcp x-proc']:.2f} | "
-        f"{goal(res['tcp x-proc'] / raw, 0.7)} of raw socket |",
+        f"{goal(res['tcp x-proc'] / raw, 0.7)} of raw socket | |",
         "",
         f"Chunk-wise overlap: 10 prefill chunks of {ov['chunk_s'] * 1e3:.0f} ms (torch matmuls, 1 thread), "
         f"{ov['kv_bytes'] / 1e6:.0f} MB of KV over a PacedLink at 2 Gbps (each chunk's KV takes ~0.7x a chunk):",
@@ -274,6 +388,7 @@ def main() -> int:
         "",
     ]
     text = "\n".join(lines)
+    text += "\n" + NOTES
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -15,6 +15,7 @@ from tetriinfer import LLM, SamplingParams
 MODES = {
     "tetriinfer": ["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--chunk-size", "64"],
     "tetriinfer-chunkwise": ["--mode", "tetriinfer", "--chunk-size", "32", "--kv-transfer", "chunk"],
+    "tetriinfer-shm": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "shm"],
     "distserve": ["--mode", "distserve", "--chunk-size", "64"],
     "colocated": ["--mode", "colocated", "--instances", "2"],
     "sarathi": ["--mode", "sarathi", "--instances", "2", "--chunk-size", "64"],
@@ -104,7 +105,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
     for inst in info["instances"]:
         assert inst["kv_blocks_used"] == 0, inst
     assert info["requests_in_flight"] == 0
-    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "distserve"):
+    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "distserve"):
         assert info["transfers"]["count"] >= 64
         metrics = httpx.get(f"{server.base_url}/metrics").text
         assert "tetriinfer_kv_transfer_seconds_count" in metrics
@@ -113,7 +114,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
 def test_cluster_endpoint_shape(server):
     info = server.cluster()
     roles = sorted(i["role"] for i in info["instances"])
-    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "distserve"):
+    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "distserve"):
         assert roles == ["decode", "prefill"]
     else:
         assert roles == ["colocated", "colocated"]

@@ -98,7 +98,8 @@ class DecodeWorker:
         kv = self.ctx.runner.kv
         ref = kv.k[0]
         shape = (h.num_kv_blocks, kv.block_size, *ref.shape[1:])
-        staging = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in range(2 * len(kv.k))]
+        # Backend-allocated memory (a shared-memory arena on `shm`) lets the sender copy straight in, once.
+        staging = self.ctx.backend.alloc_like([shape] * (2 * len(kv.k)), ref.dtype)
         tid = f"{h.request_id}#{attempt}"
         # Chunk-wise: one slot per (layer tensor, block) so blocks can arrive as chunks complete.
         slots = [t[b] for t in staging for b in range(h.num_kv_blocks)] if h.early else staging

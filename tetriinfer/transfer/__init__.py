@@ -1,5 +1,8 @@
 """KV-cache transfer: one polled API (send/recv, write/read, chunk-wise open/append/close) over in-process,
-shared-memory, TCP and (optional) NIXL links, plus fault injection, link pacing and a retry policy."""
+shared-memory, TCP and (optional) NIXL links, plus fault injection, link pacing and a retry policy.
+
+Receive buffers should come from `backend.alloc_like(shapes, dtype)`: on shm they live in a shared-memory arena
+that the sender writes directly (one copy); on other links they are ordinary tensors."""
 
 from tetriinfer.transfer.base import AgentConfig, Peer, TransferBackend, TransferStats
 from tetriinfer.transfer.factory import BACKENDS, make_backend, nixl_available

@@ -16,6 +16,13 @@ Invariants:
 - On every terminal state the agent drops its references to the caller's buffers (region, pinned payloads) and
   returns shm staging to the pool; `stats()` exposes the counts.
 - Headers are msgspec structs; payload bytes are raw zmq frames (zero-copy) or shm references.
+
+shm fast paths (one memcpy per byte instead of two; see `tetriinfer.transfer.arena`):
+- push: receive buffers from `alloc()` live in this agent's arena; `recv()` advertises where (RemoteRegion.extra,
+  a DirectTarget) and the sender copies straight into them, re-checking the region's fence word before every
+  piece, then sends one `Data(inplace=True)` header (carrying the Close too when it comes from send()).
+- pull: a sender whose buffers come from its own `alloc()` sends refs to them instead of staging a copy.
+Control messages: send() = one Data (Close folded in) + one Ack for payloads up to MESSAGE_BYTES or in place.
 """
 
 from __future__ import annotations
@@ -28,21 +35,25 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
 import zmq
 
 from tetriinfer.transfer import messages as m
+from tetriinfer.transfer.arena import PIECE_BYTES, ShmArena
 from tetriinfer.transfer.base import AgentConfig, Peer, TransferStats
-from tetriinfer.transfer.buffers import Buffer, as_byte_views
-from tetriinfer.transfer.messages import RemoteRegion
+from tetriinfer.transfer.buffers import Buffer, as_byte_views, plain_alloc
+from tetriinfer.transfer.messages import RemoteRegion, ShmRef
 from tetriinfer.transfer.staging import ShmMapper, ShmStager, _Segment
 from tetriinfer.transfer.state import Role, TransferRecord, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
 
 MESSAGE_BYTES = 8 << 20  # payload bytes per Data message (whole arrays; a larger single array goes alone)
+INLINE_DIRECT_BYTES = 2 << 20  # in-place appends up to this size are copied by the caller (no thread hand-off)
+MAINTENANCE_S = 0.5  # how often the I/O thread unmaps peers' unlinked segments and trims the arena
 
 
 @dataclass
@@ -50,6 +61,9 @@ class _Region:
     region_id: str
     slots: list[np.ndarray]
     owner_tid: str | None  # set for regions posted by recv(); None for long-lived register()ed ones
+    direct: list[ShmRef | None] | None = None  # arena location of each slot, when advertised for direct writes
+    fence: int | None = None  # this region's fence word in the arena while it is open
+    extra: bytes = b""  # the encoded DirectTarget shipped in the RemoteRegion
 
 
 @dataclass
@@ -65,6 +79,9 @@ class _Out:
     seq: int = 0
     payloads: list[list[np.ndarray]] = field(default_factory=list)
     staged: dict[int, _Segment] = field(default_factory=dict)
+    direct: m.DirectTarget | None = None  # the receiver's arena slots (shm), written in place
+    pending: int = 0  # appends queued for the I/O thread, not yet sent
+    close_sent: bool = False  # the Close went out folded into the last Data
 
 
 @dataclass
@@ -97,7 +114,8 @@ class ZmqAgent:
     kind = "zmq"
 
     def __init__(self, bind_url: str, *, config: AgentConfig | None = None, use_shm: bool = False,
-                 shm_pool_bytes: int = 256 << 20, advertise: str | None = None) -> None:
+                 shm_pool_bytes: int = 256 << 20, advertise: str | None = None,
+                 arena_segment_bytes: int = 64 << 20, arena_keep_bytes: int = 512 << 20) -> None:
         self.config = config or AgentConfig()
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -111,6 +129,11 @@ class ZmqAgent:
         self._address = endpoint
         self._stager = ShmStager(shm_pool_bytes) if use_shm else None
         self._mapper = ShmMapper() if use_shm else None
+        self._arena: ShmArena | None = None  # created on first alloc() (shm only)
+        self._arena_opts = {"segment_bytes": arena_segment_bytes, "keep_bytes": arena_keep_bytes,
+                            "quarantine_s": max(1.0, self.config.cancel_wait_s)}
+        self._arena_lock = threading.Lock()
+        self._next_maintenance = 0.0
         self._dealers: dict[str, zmq.Socket] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
@@ -127,6 +150,7 @@ class ZmqAgent:
         self._regions: dict[str, _Region] = {}
         self._read_staging: dict[tuple[bytes, str], tuple[_Segment, float]] = {}
         self._running = True
+        self._woken = False  # a wake-up byte is in flight: later submits need not write another
         self._thread = threading.Thread(target=self._io_loop, name=f"xfer-io-{self.kind}", daemon=True)
         self._thread.start()
 
@@ -149,7 +173,50 @@ class ZmqAgent:
         return rec
 
     def _region_descriptor(self, region: _Region) -> RemoteRegion:
-        return RemoteRegion(self._address, region.region_id, [s.nbytes for s in region.slots], backend=self.kind)
+        return RemoteRegion(self._address, region.region_id, [s.nbytes for s in region.slots], backend=self.kind,
+                            extra=region.extra)
+
+    def alloc(self, shape: Sequence[int], dtype: Any) -> Buffer:
+        """A receive (or send) buffer of `shape`/`dtype` (torch dtype -> tensor, numpy dtype -> array) that this
+        link fills with the fewest copies: on shm it lives in a pooled shared-memory arena, so a `recv()` into
+        it (or any slice of it) lets a same-host sender write it directly. Freed when the last view is dropped.
+        Other links return ordinary memory."""
+        self._check_running()
+        if self._stager is None:
+            return plain_alloc(shape, dtype)
+        with self._arena_lock:
+            if self._arena is None:
+                self._arena = ShmArena(f"{self._stager.tag}arena-", **self._arena_opts)  # type: ignore[arg-type]
+        return self._arena.alloc(shape, dtype)
+
+    def alloc_like(self, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Buffer]:
+        """`[alloc(s, dtype) for s in shapes]`, e.g. the 2 * num_layers KV staging tensors of one request."""
+        return [self.alloc(s, dtype) for s in shapes]
+
+    def _advertise_locked(self, region: _Region) -> None:
+        """Give a region whose slots lie in our arena a fence word and a DirectTarget (caller holds the lock)."""
+        arena = self._arena
+        if arena is None:
+            return
+        refs = arena.locate(region.slots)
+        if not any(r is not None for r in refs):
+            return
+        fence = arena.open_fence()
+        if fence is None:  # every fence word is taken: this region uses the staging path
+            return
+        region.direct, region.fence = refs, fence[0]
+        region.extra = msgspec.msgpack.encode(m.DirectTarget(arena.fence_name, fence[0], fence[1], refs))
+
+    def _drop_region_locked(self, region: _Region, ok: bool) -> None:
+        """Forget a region (caller holds the lock). Its fence closes first, so direct writers stop; the arena
+        ranges of a region that did not end DONE are quarantined when freed (a last piece may still land)."""
+        if self._regions.get(region.region_id) is region:
+            del self._regions[region.region_id]
+        if region.fence is not None and self._arena is not None:
+            self._arena.close_fence(region.fence)
+            region.fence = None
+            if not ok and region.direct:
+                self._arena.taint([r for r in region.direct if r is not None])
 
     def recv(self, transfer_id: str, into_buffers: Sequence[Buffer], *,
              timeout_s: float | None = None) -> RemoteRegion:
@@ -162,6 +229,7 @@ class ZmqAgent:
             rec = self._new_record(transfer_id, Role.RECEIVER, timeout_s)
             rec.bytes_total = sum(v.nbytes for v in views)
             region = _Region(transfer_id, views, owner_tid=transfer_id)
+            self._advertise_locked(region)
             self._regions[transfer_id] = region
             self._in[transfer_id] = _In(rec, region, posted=True)
             return self._region_descriptor(region)
@@ -174,6 +242,7 @@ class ZmqAgent:
             if region_id in self._regions:
                 raise ValueError(f"region {region_id!r} already exists on this agent")
             region = _Region(region_id, views, owner_tid=None)
+            self._advertise_locked(region)
             self._regions[region_id] = region
             return self._region_descriptor(region)
 
@@ -194,8 +263,16 @@ class ZmqAgent:
         self._check_running()
         if not 0 <= attempt < max_attempts:
             raise ValueError(f"need 0 <= attempt < max_attempts, got {attempt}, {max_attempts}")
+        direct = None
         if isinstance(peer, RemoteRegion):
             address, region_id, sizes = peer.address, peer.region_id, list(peer.slot_nbytes)
+            if self._mapper is not None and peer.backend == "shm" and peer.extra:
+                try:
+                    direct = msgspec.msgpack.decode(peer.extra, type=m.DirectTarget)
+                except msgspec.DecodeError:
+                    direct = None  # not ours to read: use the staging path
+                if direct is not None and len(direct.slots) != len(sizes):
+                    direct = None
         elif isinstance(peer, str):
             address, region_id, sizes = peer, transfer_id, None
         else:
@@ -203,14 +280,20 @@ class ZmqAgent:
         with self._lock:
             rec = self._new_record(transfer_id, Role.SENDER, timeout_s)
             rec.attempt = attempt
-            self._out[transfer_id] = _Out(rec, address, region_id, attempt + 1 >= max_attempts, sizes)
+            self._out[transfer_id] = _Out(rec, address, region_id, attempt + 1 >= max_attempts, sizes,
+                                          direct=direct)
 
     def append(self, transfer_id: str, buffers: Sequence[Buffer], *,
                slots: Sequence[int] | None = None) -> None:
         """Queue `buffers` for the receiver's slots (`slots`, default: the next ones in order). Never blocks.
 
         The buffers must stay unchanged until the transfer is terminal. Appending to a transfer that has
-        already failed is a no-op (poll() reports the failure)."""
+        already failed is a no-op (poll() reports the failure). Never waits for the peer; on shm, an append of at
+        most INLINE_DIRECT_BYTES into the receiver's arena is copied here, in the caller's thread."""
+        self._append(transfer_id, buffers, slots, close=False)
+
+    def _append(self, transfer_id: str, buffers: Sequence[Buffer], slots: Sequence[int] | None, *,
+                close: bool) -> None:
         self._check_running()
         views = as_byte_views(buffers)
         with self._lock:
@@ -233,7 +316,34 @@ class ZmqAgent:
                 out.next_slot = max(out.next_slot, max(slot_list) + 1)
             out.payloads.append(views)
             out.rec.bytes_total += sum(v.nbytes for v in views)
-        self._submit(lambda: self._io_send_data(transfer_id, views, slot_list))
+            out.pending += 1
+            if close:  # send(): the I/O thread folds the Close into the last Data message
+                out.closed = True
+            # only when nothing earlier is still queued: a queued append to the same slot must not land later
+            refs = self._inline_refs(out, views, slot_list) if out.pending == 1 else None
+        written: str | None = None
+        if refs is not None:  # small, wholly in-place append: copy now, in the caller's thread (no hand-off)
+            written = self._write_direct(out, refs, views) or ""
+        if close:  # one command, one wake-up: data, then the Close unless it was folded into the data
+            self._submit(lambda: (self._io_send_data(transfer_id, views, slot_list, written),
+                                  self._io_send_close(transfer_id)))
+        else:
+            self._submit(lambda: self._io_send_data(transfer_id, views, slot_list, written))
+
+    @staticmethod
+    def _inline_refs(out: _Out, views: list[np.ndarray], slots: list[int]) -> list[ShmRef] | None:
+        """The receiver's arena refs for `slots` when this append can be written in the caller's thread: every
+        slot advertised with a matching size and at most INLINE_DIRECT_BYTES in all (else None)."""
+        d = out.direct
+        if d is None or not views or sum(v.nbytes for v in views) > INLINE_DIRECT_BYTES:
+            return None
+        refs = []
+        for s, v in zip(slots, views, strict=True):
+            r = d.slots[s] if s < len(d.slots) else None
+            if r is None or r.nbytes != v.nbytes:
+                return None
+            refs.append(r)
+        return refs
 
     def close(self, transfer_id: str) -> None:
         """No more appends: the receiver completes once everything arrived."""
@@ -249,17 +359,16 @@ class ZmqAgent:
 
     def send(self, transfer_id: str, buffers: Sequence[Buffer], peer: Peer, *,
              timeout_s: float | None = None) -> None:
-        """Two-sided send of a whole payload (= open + append + close)."""
+        """Two-sided send of a whole payload (= open + append + close, sent as one Data+Close message when the
+        payload is in place or fits in one message)."""
         self.open(transfer_id, peer, timeout_s=timeout_s)
-        self.append(transfer_id, buffers)
-        self.close(transfer_id)
+        self._append(transfer_id, buffers, None, close=True)
 
     def write(self, transfer_id: str, remote_region: RemoteRegion, buffers: Sequence[Buffer], *,
               slots: Sequence[int] | None = None, timeout_s: float | None = None) -> None:
         """One-sided write of `buffers` into `remote_region` (slot sizes are checked before bytes move)."""
         self.open(transfer_id, remote_region, timeout_s=timeout_s)
-        self.append(transfer_id, buffers, slots=slots)
-        self.close(transfer_id)
+        self._append(transfer_id, buffers, slots, close=True)
 
     def read(self, transfer_id: str, remote_region: RemoteRegion, into_buffers: Sequence[Buffer], *,
              slots: Sequence[int] | None = None, timeout_s: float | None = None) -> None:
@@ -308,6 +417,7 @@ class ZmqAgent:
             self._in.pop(transfer_id, None)
 
     def stats(self) -> TransferStats:
+        arena = self._arena.counts() if self._arena is not None else (0, 0, 0)
         with self._lock:
             return TransferStats(
                 records=len(self._recs),
@@ -318,6 +428,9 @@ class ZmqAgent:
                 staging_segments=self._stager.in_use if self._stager else 0,
                 pooled_segments=self._stager.pooled if self._stager else 0,
                 peers=len(self._dealers),
+                arena_segments=arena[0],
+                arena_allocations=arena[1],
+                arena_bytes=arena[2],
             )
 
     @property
@@ -329,20 +442,25 @@ class ZmqAgent:
         """Fail every live transfer, stop the I/O thread, close sockets and unlink shm segments. Idempotent."""
         if not self._running:
             return
-        self._call_io(self._io_fail_all)
-        self._running = False
-        self._wake()
-        self._thread.join(timeout=5)
-        for d in self._dealers.values():
-            d.close(linger=0)
-        self._dealers.clear()
-        self._router.close(linger=0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        if self._stager:
-            self._stager.shutdown()
-        if self._mapper:
-            self._mapper.shutdown()
+        try:
+            self._call_io(self._io_fail_all)
+        finally:  # even if the I/O thread is stuck: stop it and unlink every /dev/shm file we created
+            self._running = False
+            self._wake()
+            self._thread.join(timeout=5)
+            if self._arena is not None:
+                self._arena.shutdown()  # zeroes the fences first: direct writers stop at their next piece
+            if self._stager:
+                self._stager.shutdown()
+            if self._mapper:
+                self._mapper.shutdown()
+            if not self._thread.is_alive():  # sockets belong to the I/O thread while it runs
+                for d in self._dealers.values():
+                    d.close(linger=0)
+                self._dealers.clear()
+                self._router.close(linger=0)
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def __enter__(self) -> ZmqAgent:
         return self
@@ -359,7 +477,9 @@ class ZmqAgent:
 
     def _submit(self, fn: Callable[[], None]) -> None:
         self._cmds.put(fn)
-        self._wake()
+        if not self._woken:  # the I/O thread clears this before draining commands, so none is ever missed
+            self._woken = True
+            self._wake()
 
     def _call_io(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the I/O thread and wait for it (bounded by config.cancel_wait_s)."""
@@ -393,6 +513,7 @@ class ZmqAgent:
                         pass
                 except (BlockingIOError, OSError):
                     pass
+            self._woken = False
             while True:
                 try:
                     cmd = self._cmds.get_nowait()
@@ -471,9 +592,16 @@ class ZmqAgent:
             except zmq.ZMQError:
                 pass
 
-    def _io_send_data(self, tid: str, views: list[np.ndarray], slots: list[int]) -> None:
+    def _io_send_data(self, tid: str, views: list[np.ndarray], slots: list[int],
+                      written: str | None = None) -> None:
+        """Send one append. `written` is "" when the caller already copied every slot in place, a failure
+        reason when that copy failed, None when nothing was copied yet."""
         out = self._out.get(tid)
-        if out is None or out.rec.state.terminal:
+        if out is None:
+            return
+        with self._lock:
+            out.pending -= 1
+        if out.rec.state.terminal:
             return
         if out.slot_sizes is not None:
             for s, v in zip(slots, views, strict=True):
@@ -485,48 +613,122 @@ class ZmqAgent:
                     self._fail_out(out, f"length mismatch in slot {s}: remote region reserved "
                                         f"{out.slot_sizes[s]} bytes, sender has {v.nbytes}", tell_peer=True)
                     return
-        # Split into messages of <= MESSAGE_BYTES (whole arrays) so the receiver copies early arrays while later
-        # ones are still being staged / on the wire.
+        # Slots the receiver advertised in its arena are written in place (one memcpy); the rest move as frames
+        # or through shm staging, split into messages of <= MESSAGE_BYTES (whole arrays) so the receiver copies
+        # early arrays while later ones are still being staged / on the wire.
+        direct_s: list[int] = []
+        direct_v: list[np.ndarray] = []
+        rest: list[tuple[int, np.ndarray]] = []
+        targets = out.direct.slots if out.direct is not None else []
+        for s, v in zip(slots, views, strict=True):
+            if s < len(targets) and targets[s] is not None:
+                direct_s.append(s)
+                direct_v.append(v)
+            else:
+                rest.append((s, v))
         groups: list[tuple[list[int], list[np.ndarray]]] = []
         cur_s: list[int] = []
         cur_v: list[np.ndarray] = []
         size = 0
-        for s, v in zip(slots, views, strict=True):
+        for s, v in rest:
             if cur_v and size + v.nbytes > MESSAGE_BYTES:
                 groups.append((cur_s, cur_v))
                 cur_s, cur_v, size = [], [], 0
             cur_s.append(s)
             cur_v.append(v)
             size += v.nbytes
-        if cur_v or not groups:
+        if cur_v or (not groups and not direct_v):
             groups.append((cur_s, cur_v))
-        for g_slots, g_views in groups:
-            nbytes = [v.nbytes for v in g_views]
+        for i, (g_slots, g_views) in enumerate(groups):
+            last = i == len(groups) - 1 and not direct_v
             seq = out.seq
             out.seq += 1
-            shm = None
+            shm, consumed = None, True
             frames: Sequence[np.ndarray] = g_views
             if self._stager is not None:
-                seg, shm = self._stager.stage(g_views)
-                out.staged[seq] = seg
+                shm = self._own_arena_refs(g_views)
+                if shm is not None:  # pull: the receiver copies straight out of our arena
+                    consumed = False
+                else:
+                    seg, shm = self._stager.stage(g_views)
+                    out.staged[seq] = seg
                 frames = ()
-            msg = m.Data(tid, out.region_id, out.rec.attempt, out.final, seq, g_slots, nbytes, shm)
-            try:
-                self._to_peer(out.address, msg, frames)
-            except zmq.ZMQError as e:
-                self._fail_out(out, f"send to {out.address} failed: {e}", tell_peer=False)
+            if not self._emit(out, seq, g_slots, g_views, frames, shm=shm, consumed=consumed, last=last):
                 return
-            now = time.monotonic()
-            with self._lock:
-                out.sent_any = True
-                out.rec.start(now)
-                out.rec.bytes_done += sum(nbytes)
-                out.rec.touch(now)
+        if direct_v:
+            if written is None:
+                reason = self._write_direct(out, [targets[s] for s in direct_s], direct_v)  # type: ignore[misc]
+            else:
+                reason = written or None
+            if reason is not None:
+                self._fail_out(out, reason, tell_peer=True)
+                return
+            seq = out.seq
+            out.seq += 1
+            self._emit(out, seq, direct_s, direct_v, (), inplace=True, last=True)
+
+    def _emit(self, out: _Out, seq: int, slots: list[int], views: list[np.ndarray], frames: Sequence[np.ndarray],
+              *, shm: list[ShmRef] | None = None, consumed: bool = True, inplace: bool = False,
+              last: bool) -> bool:
+        """Send one Data header (+ frames); the last one of a closed transfer carries its Close. False: failed."""
+        nbytes = [v.nbytes for v in views]
+        close_nslots = -1
+        now = time.monotonic()
+        with self._lock:  # one section: fold the Close in if nothing else is queued, and count the bytes as sent
+            if last and out.closed and out.pending == 0 and not out.close_sent:
+                out.close_sent = True
+                close_nslots = out.next_slot
+            out.sent_any = True
+            out.rec.start(now)
+            out.rec.bytes_done += sum(nbytes)
+            out.rec.touch(now)
+        msg = m.Data(out.rec.transfer_id, out.region_id, out.rec.attempt, out.final, seq, slots, nbytes, shm,
+                     consumed, inplace, close_nslots)
+        try:
+            self._to_peer(out.address, msg, frames)
+        except zmq.ZMQError as e:
+            self._fail_out(out, f"send to {out.address} failed: {e}", tell_peer=False)
+            return False
+        return True
+
+    def _own_arena_refs(self, views: list[np.ndarray]) -> list[ShmRef] | None:
+        """Where `views` lie in our own arena, if every one of them does (else None: stage a copy)."""
+        if self._arena is None or not views:
+            return None
+        refs = self._arena.locate(views)
+        return None if any(r is None for r in refs) else refs  # type: ignore[return-value]
+
+    def _write_direct(self, out: _Out, refs: list[ShmRef], views: list[np.ndarray]) -> str | None:
+        """Copy `views` straight into the receiver's arena, piece by piece, checking its fence before each piece.
+        Returns a failure reason, or None when every byte is in place."""
+        d = out.direct
+        assert d is not None and self._mapper is not None
+        try:
+            fence = self._mapper.words(d.fence_name)
+            if not 0 <= d.fence_index < len(fence):
+                return f"receiver fence index {d.fence_index} out of range"
+            dsts = [self._mapper.target(r) for r in refs]
+        except (ValueError, OSError) as e:
+            return f"cannot map the receiver's memory: {e}"
+        idx, token = d.fence_index, d.token
+        for dst, src in zip(dsts, views, strict=True):
+            if dst.nbytes != src.nbytes:
+                return f"length mismatch: receiver arena slot has {dst.nbytes} bytes, sender has {src.nbytes}"
+            n = src.nbytes
+            for a in range(0, n, PIECE_BYTES):
+                if fence[idx] != token:
+                    return "receiver closed the region (cancelled, failed or timed out)"
+                if n <= PIECE_BYTES:
+                    np.copyto(dst, src)
+                else:
+                    np.copyto(dst[a:a + PIECE_BYTES], src[a:a + PIECE_BYTES])
+        return None
 
     def _io_send_close(self, tid: str) -> None:
         out = self._out.get(tid)
-        if out is None or out.rec.state.terminal:
+        if out is None or out.rec.state.terminal or out.close_sent:
             return
+        out.close_sent = True
         try:
             self._to_peer(out.address, m.Close(tid, out.region_id, out.rec.attempt, out.final, out.next_slot))
         except zmq.ZMQError as e:
@@ -567,7 +769,7 @@ class ZmqAgent:
         region (if transfer-owned) and, for passive writes, the record."""
         tid = inb.rec.transfer_id
         if inb.region.owner_tid == tid:
-            self._regions.pop(inb.region.region_id, None)
+            self._drop_region_locked(inb.region, ok=inb.rec.state is TransferState.DONE)
         if not inb.posted:
             self._in.pop(tid, None)
             self._recs.pop(tid, None)
@@ -630,19 +832,10 @@ class ZmqAgent:
             return
         if isinstance(msg, m.Data):
             self._on_data(identity, msg, parts[2:])
+            if msg.close_nslots >= 0:
+                self._on_close(identity, msg.tid, msg.region_id, msg.attempt, msg.final)
         elif isinstance(msg, m.Close):
-            inb = self._inbound(identity, msg.tid, msg.region_id, msg.attempt, msg.final)
-            if inb is None:
-                return
-            n = len(inb.region.slots)
-            if len(inb.filled) != n:
-                self._reject(inb, msg.attempt, f"sender closed after filling {len(inb.filled)} of {n} slots")
-                return
-            with self._lock:
-                inb.rec.start()
-                inb.rec.advance(TransferState.DONE)
-                self._finish_in_locked(inb)
-            self._reply(identity, m.Ack(msg.tid, msg.attempt, True))
+            self._on_close(identity, msg.tid, msg.region_id, msg.attempt, msg.final)
         elif isinstance(msg, m.Abort):
             with self._lock:
                 inb = self._in.get(msg.tid)
@@ -664,10 +857,50 @@ class ZmqAgent:
             if entry is not None and self._stager is not None:
                 self._stager.release(entry[0])
 
+    def _on_close(self, identity: bytes, tid: str, region_id: str, attempt: int, final: bool) -> None:
+        inb = self._inbound(identity, tid, region_id, attempt, final)
+        if inb is None:
+            return
+        n = len(inb.region.slots)
+        if len(inb.filled) != n:
+            self._reject(inb, attempt, f"sender closed after filling {len(inb.filled)} of {n} slots")
+            return
+        with self._lock:
+            inb.rec.start()
+            inb.rec.advance(TransferState.DONE)
+            self._finish_in_locked(inb)
+        self._reply(identity, m.Ack(tid, attempt, True))
+
+    def _on_inplace(self, inb: _In, msg: m.Data) -> None:
+        """The sender already wrote these slots of our arena: check they were advertised, then count them."""
+        region = inb.region
+        for slot, n in zip(msg.slots, msg.nbytes, strict=True):
+            if not 0 <= slot < len(region.slots) or region.direct is None or region.direct[slot] is None:
+                self._reject(inb, msg.attempt, f"slot {slot} was not advertised for direct writes")
+                return
+            if n != region.slots[slot].nbytes:
+                self._reject(inb, msg.attempt, f"length mismatch in slot {slot}: receiver reserved "
+                                               f"{region.slots[slot].nbytes} bytes, got {n}")
+                return
+        now = time.monotonic()
+        with self._lock:
+            inb.rec.start(now)
+            for slot, n in zip(msg.slots, msg.nbytes, strict=True):
+                if slot not in inb.filled:
+                    inb.filled.add(slot)
+                    inb.rec.bytes_done += n
+            inb.rec.touch(now)
+
     def _on_data(self, identity: bytes, msg: m.Data, frames: Sequence[zmq.Frame]) -> None:
         try:
             inb = self._inbound(identity, msg.tid, msg.region_id, msg.attempt, msg.final)
             if inb is None:
+                return
+            if len(msg.slots) != len(msg.nbytes):
+                self._reject(inb, msg.attempt, f"malformed data: {len(msg.slots)} slots, {len(msg.nbytes)} sizes")
+                return
+            if msg.inplace:
+                self._on_inplace(inb, msg)
                 return
             try:
                 srcs = self._sources(msg.shm, frames)
@@ -700,7 +933,7 @@ class ZmqAgent:
                         inb.rec.bytes_done += n
                 inb.rec.touch(now)
         finally:
-            if msg.shm is not None:
+            if msg.shm is not None and msg.consumed:
                 self._reply(identity, m.Consumed(msg.tid, msg.seq))
 
     # --- one-sided read
@@ -797,7 +1030,9 @@ class ZmqAgent:
 
     def _io_deregister(self, region_id: str) -> None:
         with self._lock:
-            self._regions.pop(region_id, None)
+            region = self._regions.get(region_id)
+            if region is not None:
+                self._drop_region_locked(region, ok=False)
             passive = [i for i in self._in.values() if i.region.region_id == region_id and not i.posted]
         for inb in passive:
             with self._lock:
@@ -814,6 +1049,12 @@ class ZmqAgent:
                 continue
             self._io_cancel(tid, f"timed out after {rec.timeout_s:g} s without progress "
                                  f"(state {rec.state.name})")
+        if now >= self._next_maintenance:
+            self._next_maintenance = now + MAINTENANCE_S
+            if self._mapper is not None:
+                self._mapper.prune_unlinked()
+            if self._arena is not None:
+                self._arena.counts()  # drains frees, ends quarantines, unlinks idle segments over keep_bytes
         if self._stager is not None and self._read_staging:
             for key, (seg, deadline) in list(self._read_staging.items()):
                 if now > deadline:

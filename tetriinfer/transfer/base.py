@@ -6,6 +6,9 @@ One-sided:   owner `register(region_id, buffers)` exposes memory; peers `write(t
              `read(tid, region, into)` from it without the owner doing anything per transfer.
 Chunk-wise:  `open(tid, peer)`, then `append(tid, buffers)` as each prefill chunk completes, then `close(tid)`;
              the receiver reaches DONE only after close and once every posted slot was filled.
+Memory:      `alloc(shape, dtype)` / `alloc_like(shapes, dtype)` give receive buffers the link fills best: on shm
+             they live in a shared-memory arena, so `recv()` into them lets the sender copy each byte once,
+             straight into them (other links return ordinary memory). Drop the last reference to free them.
 Completion:  `poll(tid) -> TransferState` (never blocks), `status(tid)` for reason/bytes, `release(tid)` to
              forget a finished transfer (or cancel a live one).
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tetriinfer.transfer.buffers import Buffer
 from tetriinfer.transfer.messages import RemoteRegion
@@ -54,6 +57,9 @@ class TransferStats:
     staging_segments: int  # shared-memory staging segments in use (shm backend)
     pooled_segments: int  # idle staging segments kept for reuse
     peers: int  # outbound sockets
+    arena_segments: int = 0  # shared-memory arena segments (shm backend; alloc() memory)
+    arena_allocations: int = 0  # arena buffers still referenced by the caller (0 once all are dropped)
+    arena_bytes: int = 0  # bytes of those buffers (page-rounded)
 
 
 @runtime_checkable
@@ -64,6 +70,10 @@ class TransferBackend(Protocol):
 
     @property
     def address(self) -> str: ...
+
+    # memory: buffers the link can fill with the fewest copies (shm: shared-memory arena; others: plain)
+    def alloc(self, shape: Sequence[int], dtype: Any) -> Buffer: ...
+    def alloc_like(self, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Buffer]: ...
 
     # receiver / region owner
     def recv(self, transfer_id: str, into_buffers: Sequence[Buffer], *,

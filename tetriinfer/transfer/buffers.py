@@ -50,3 +50,13 @@ def as_byte_views(bufs: Sequence[Buffer], *, writable: bool = False) -> list[np.
     if isinstance(bufs, np.ndarray) or type(bufs).__module__.split(".")[0] == "torch":
         raise ValueError("pass a list of buffers, not a single array")
     return [as_byte_view(b, writable=writable) for b in bufs]
+
+
+def plain_alloc(shape: Sequence[int], dtype: Any) -> Buffer:
+    """Ordinary (non-shared) memory of `shape`: a torch tensor for a torch dtype, else a numpy array."""
+    shape = tuple(int(s) for s in shape)
+    if type(dtype).__module__.split(".")[0] == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
+    return np.empty(shape, dtype=np.dtype(dtype))

@@ -34,7 +34,21 @@ class ShmRef(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
+class DirectTarget(msgspec.Struct, frozen=True, array_like=True):
+    """shm backend, in `RemoteRegion.extra`: where a region's arena-backed slots lie (None: not in the arena),
+    and the fence word (`fence_name`, `fence_index`) that holds `token` while the region is open."""
+
+    fence_name: str
+    fence_index: int
+    token: int
+    slots: list[ShmRef | None]
+
+
 class Data(msgspec.Struct, tag="data", frozen=True):
+    """Payload for `slots`: raw frames, `shm` refs (to staging, or to the sender's arena when `consumed` is False:
+    no Consumed reply needed), or, with `inplace`, nothing: the sender already wrote the receiver's arena slots.
+    `close_nslots >= 0` means a Close follows in the same message (one control message per send())."""
+
     tid: str
     region_id: str
     attempt: int
@@ -43,6 +57,9 @@ class Data(msgspec.Struct, tag="data", frozen=True):
     slots: list[int]
     nbytes: list[int]
     shm: list[ShmRef] | None = None
+    consumed: bool = True
+    inplace: bool = False
+    close_nslots: int = -1
 
 
 class Close(msgspec.Struct, tag="close", frozen=True):

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from tetriinfer.transfer.base import AgentConfig, Peer, TransferStats
-from tetriinfer.transfer.buffers import Buffer, as_byte_views
+from tetriinfer.transfer.buffers import Buffer, as_byte_views, plain_alloc
 from tetriinfer.transfer.messages import RemoteRegion
 from tetriinfer.transfer.state import Role, TransferRecord, TransferState, TransferStatus
 
@@ -87,6 +87,13 @@ class NixlBackend:  # pragma: no cover - requires nixl
         x = _Xfer(TransferRecord(tid, role, timeout_s or self.config.timeout_s))
         self._x[tid] = x
         return x
+
+    def alloc(self, shape: Sequence[int], dtype: Any) -> Buffer:
+        """Ordinary memory (NIXL registers whatever recv() is given)."""
+        return plain_alloc(shape, dtype)
+
+    def alloc_like(self, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Buffer]:
+        return [plain_alloc(s, dtype) for s in shapes]
 
     def recv(self, transfer_id: str, into_buffers: Sequence[Buffer], *,
              timeout_s: float | None = None) -> RemoteRegion:

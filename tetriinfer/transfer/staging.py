@@ -2,13 +2,15 @@
 
 `ShmStager` (sending side) owns segments: it creates, reuses (pool) and unlinks them. Invariant: every segment it
 created is unlinked by `shutdown()`; `in_use` counts segments handed out and not yet released.
-`ShmMapper` (receiving side) only maps segments by name, read-only use, and unmaps them on eviction/shutdown.
+`ShmMapper` maps peers' segments by name (read-only to copy out, writable for a peer's arena), caches the
+mappings and unmaps them on eviction, when the owner unlinked the file, or at shutdown.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 import uuid
 import weakref
 from collections import OrderedDict
@@ -21,6 +23,7 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "tetrixfer-"
 _MIN_SEGMENT = 1 << 20
 _ALIGN = 64
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault pages in at map time, not one by one during a copy
 
 
 def _size_class(nbytes: int) -> int:
@@ -38,7 +41,7 @@ class _Segment:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size)
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -120,58 +123,102 @@ class ShmStager:
 
 
 class ShmMapper:
-    """Maps peers' staging segments by name (LRU-bounded by total mapped bytes). Not thread-safe."""
+    """Maps peers' segments by name: staging and arena segments read-only (to copy out of), peer arena segments
+    writable (to copy straight into), fence files as int64 words. Mappings are cached (bounded by total mapped
+    bytes, oldest evicted first) and populated up front; `prune_unlinked()` drops mappings whose file the owner has unlinked, so a
+    cached mapping never keeps a freed segment's memory alive for long. Thread-safe (one internal lock); views
+    it returned stay valid after eviction (the mapping lives until they are dropped)."""
 
-    def __init__(self, max_mapped_bytes: int = 512 << 20) -> None:
+    def __init__(self, max_mapped_bytes: int = 2 << 30) -> None:
         self.max_mapped_bytes = max_mapped_bytes
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._maps: OrderedDict[tuple[str, bool], mmap.mmap] = OrderedDict()
+        self._arrs: dict[tuple[str, bool], np.ndarray] = {}  # whole-segment uint8 views: refs become slices
         self._bytes = 0
+        self._lock = threading.RLock()
 
-    def _get(self, name: str) -> mmap.mmap:
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def _get(self, name: str, writable: bool = False) -> mmap.mmap:
         if "/" in name or not name.startswith(SHM_PREFIX):
             raise ValueError(f"refusing to map unexpected shared-memory name {name!r}")
-        mm = self._maps.get(name)
+        key = (name, writable)
+        mm = self._maps.get(key)
         if mm is not None:
-            self._maps.move_to_end(name)
+            self._maps.move_to_end(key)
             return mm
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
         finally:
             os.close(fd)
-        self._maps[name] = mm
+        self._maps[key] = mm
+        self._arrs[key] = np.frombuffer(mm, dtype=np.uint8)
+        if not writable:
+            self._arrs[key].flags.writeable = False
         self._bytes += size
         while self._bytes > self.max_mapped_bytes and len(self._maps) > 1:
-            old_name, old = self._maps.popitem(last=False)
-            self._bytes -= len(old)
-            try:
-                old.close()
-            except BufferError:
-                pass
+            self._drop(next(iter(self._maps)))
         return mm
 
-    def views(self, refs: list[ShmRef]) -> list[np.ndarray]:
-        out = []
-        for r in refs:
-            mm = self._get(r.name)
-            if r.offset < 0 or r.offset + r.nbytes > len(mm):
-                raise ValueError(f"shm ref {r} lies outside its segment ({len(mm)} bytes)")
-            out.append(np.frombuffer(mm, dtype=np.uint8, count=r.nbytes, offset=r.offset))
-        return out
+    def _array(self, name: str, writable: bool) -> np.ndarray:
+        arr = self._arrs.get((name, writable))
+        if arr is None:
+            with self._lock:
+                self._get(name, writable)
+                arr = self._arrs[(name, writable)]
+        return arr
 
-    def forget(self, name: str) -> None:
-        mm = self._maps.pop(name, None)
+    def _drop(self, key: tuple[str, bool]) -> None:
+        self._arrs.pop(key, None)
+        mm = self._maps.pop(key, None)
         if mm is not None:
             self._bytes -= len(mm)
             try:
                 mm.close()
-            except BufferError:
+            except BufferError:  # a view is still alive; the mapping goes with it
                 pass
 
+    def views(self, refs: list[ShmRef]) -> list[np.ndarray]:
+        out = []
+        for r in refs:
+            arr = self._array(r.name, False)
+            if r.offset < 0 or r.nbytes < 0 or r.offset + r.nbytes > arr.size:
+                raise ValueError(f"shm ref {r} lies outside its segment ({arr.size} bytes)")
+            out.append(arr[r.offset:r.offset + r.nbytes])
+        return out
+
+    def target(self, ref: ShmRef) -> np.ndarray:
+        """Writable uint8 view of a peer's arena range (the peer advertised it in a RemoteRegion)."""
+        arr = self._array(ref.name, True)
+        if ref.offset < 0 or ref.nbytes < 0 or ref.offset + ref.nbytes > arr.size:
+            raise ValueError(f"shm ref {ref} lies outside its segment ({arr.size} bytes)")
+        return arr[ref.offset:ref.offset + ref.nbytes]
+
+    def words(self, name: str) -> np.ndarray:
+        """Read-only int64 view of a whole file (a peer's fence words)."""
+        arr = self._array(name, False)
+        return arr[: arr.size // 8 * 8].view(np.int64)
+
+    def prune_unlinked(self) -> int:
+        """Unmap segments whose file is gone (names are never reused); returns how many were dropped."""
+        with self._lock:
+            gone = [k for k in self._maps if not os.path.exists(os.path.join(SHM_DIR, k[0]))]
+            for key in gone:
+                self._drop(key)
+            return len(gone)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            for key in [(name, False), (name, True)]:
+                self._drop(key)
+
     def shutdown(self) -> None:
-        for name in list(self._maps):
-            self.forget(name)
+        with self._lock:
+            for key in list(self._maps):
+                self._drop(key)
 
 
 def _unlink_tag(tag: str) -> None:

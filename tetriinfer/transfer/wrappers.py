@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tetriinfer.transfer.base import Peer, TransferBackend, TransferStats
 from tetriinfer.transfer.buffers import Buffer
@@ -87,6 +88,12 @@ class SendPathWrapper:
     @property
     def address(self) -> str:
         return self.inner.address
+
+    def alloc(self, shape: Sequence[int], dtype: Any) -> Buffer:
+        return self.inner.alloc(shape, dtype)
+
+    def alloc_like(self, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Buffer]:
+        return self.inner.alloc_like(shapes, dtype)
 
     def recv(self, transfer_id: str, into_buffers: Sequence[Buffer], *,
              timeout_s: float | None = None) -> RemoteRegion:
