@@ -4,8 +4,9 @@
 - ``tetriinfer bench compare A.json B.json ... [--plot DIR] [--md FILE]``
 - ``tetriinfer bench workload W -n N ...``: print what a workload looks like (no server needed)
 
-``bench side-by-side`` is added by the server owner; it can call
-``tetriinfer.bench.client.benchmark_server`` and ``tetriinfer.bench.metrics.flat_summary``.
+- ``tetriinfer bench side-by-side --model DIR --workloads ... --modes ... --out FILE.json``: start our server
+  in every mode on the same cores, run the same workloads, write the paper-style comparison
+  (``tetriinfer.bench.side_by_side``)
 """
 
 from __future__ import annotations
@@ -228,8 +229,139 @@ def _cmd_workload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _auto_rate(text: str) -> float | None:
+    if text.strip().lower() == "auto":
+        return None
+    value = _rate(text)
+    if value is None:
+        raise argparse.ArgumentTypeError("side-by-side needs a finite rate or 'auto'")
+    return value
+
+
+def _cmd_side_by_side(args: argparse.Namespace) -> int:
+    import shlex
+    import signal
+    import sys
+
+    from tetriinfer.bench.metrics import SLO
+    from tetriinfer.bench.side_by_side import (
+        SideBySide,
+        SideBySideConfig,
+        markdown_report,
+        paper_table,
+        parse_columns,
+        save,
+        write_plots,
+    )
+
+    model = args.model
+    if model is None:
+        from tetriinfer.engine.make_model import default_model_path
+
+        model = str(default_model_path())
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model folder {model!r} does not exist")
+    columns = parse_columns(args.modes, args.extra_server or (), args.serve_arg or ())
+    config = SideBySideConfig(
+        model=model,
+        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+        columns=columns,
+        num_requests=args.num_requests,
+        rate=args.rate,
+        rate_fraction=args.rate_fraction,
+        probe_requests=args.probe_requests,
+        probe_concurrency=args.probe_concurrency,
+        instances=args.instances,
+        prefill_instances=args.prefill_instances if args.prefill_instances is not None else args.instances // 2,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        max_context=args.max_context,
+        arrival=args.arrival,
+        burstiness_cv=args.burstiness_cv,
+        length_source=args.length_source,
+        seed=args.seed,
+        slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e),
+        request_timeout_s=args.request_timeout,
+        startup_timeout_s=args.startup_timeout,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        progress=not args.no_progress,
+    )
+    command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    def _terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through serve(): the servers we started are stopped
+
+    signal.signal(signal.SIGTERM, _terminate)
+    result, raw = SideBySide(config, command).run()
+    print(paper_table(result))
+    print(f"results written to {save(result, args.out)}")
+    from pathlib import Path
+
+    plots = write_plots(result, raw, args.plot) if args.plot else []
+    if args.md:
+        md = Path(args.md)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(markdown_report(result, plots, md.parent.resolve()), encoding="utf-8")
+        print(f"report written to {md}")
+    if args.raw:
+        Path(args.raw).write_text(json.dumps(raw) + "\n", encoding="utf-8")
+    failed = any(cell["completed"] == 0 for cells in result["workloads"].values() for cell in cells.values())
+    return 1 if failed else 0
+
+
+def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "side-by-side",
+        help="start our server in each mode on the same cores and compare them on the same workloads",
+        description="For each mode: start 'tetriinfer serve' with the same number of instances (one core "
+        "each), run every workload, read resource usage from /cluster, stop it. Writes the paper-style "
+        "table (TTFT, JCT, resource, perf/$ vs colocated). See tetriinfer/bench/side_by_side.py.",
+    )
+    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
+    p.add_argument("--workloads", default=",".join(CLASS_NAMES),
+                   help="comma-separated: lpld,lphd,hpld,hphd,mixed and/or trace:FILE")
+    p.add_argument("--modes", default="tetriinfer,colocated,sarathi,distserve",
+                   help="comma-separated modes; NAME=MODE adds a named variant (e.g. tetri-sjf=tetriinfer); "
+                   "'colocated' is required (the baseline)")
+    p.add_argument("--extra-server", action="append", metavar="NAME=URL",
+                   help="an already running OpenAI-compatible server as one more column (repeatable)")
+    p.add_argument("--serve-arg", action="append", metavar="[NAME:]ARGS",
+                   help="extra 'tetriinfer serve' arguments for every column, or NAME:ARGS for one column "
+                   "(e.g. --serve-arg='tetriinfer:--prefill-policy sjf'); repeatable")
+    p.add_argument("--num-requests", "-n", type=int, default=50)
+    p.add_argument("--rate", type=_auto_rate, default=None,
+                   help="req/s for every workload and mode, or 'auto' (default): a closed-loop probe on "
+                   "colocated measures the sustainable rate and every mode runs at --rate-fraction of it")
+    p.add_argument("--rate-fraction", type=float, default=0.7)
+    p.add_argument("--probe-requests", type=int, default=16)
+    p.add_argument("--probe-concurrency", type=int, default=8)
+    p.add_argument("--instances", type=int, default=2, help="instances (= cores) per mode")
+    p.add_argument("--prefill-instances", type=int, default=None,
+                   help="prefill instances in disaggregated modes (default: half)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1536)
+    p.add_argument("--max-output-tokens", type=int, default=384)
+    p.add_argument("--max-context", type=int, default=None,
+                   help="reject prompt+output over this (default: the server's max_model_len)")
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument("--burstiness-cv", type=float, default=1.0)
+    p.add_argument("--length-source", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, default=None, metavar="MS")
+    p.add_argument("--slo-tpot", type=float, default=None, metavar="MS")
+    p.add_argument("--slo-e2e", type=float, default=None, metavar="MS")
+    p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="per instance")
+    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--md", default=None, help="markdown report")
+    p.add_argument("--plot", default=None, metavar="DIR", help="summary bar chart and per-workload CDF PNGs")
+    p.add_argument("--raw", default=None, metavar="FILE", help="also write every per-request record here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=_cmd_side_by_side)
+
+
 def add_subparsers(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``bench`` and its sub-subcommands ``run``, ``compare``, ``workload``."""
+    """Register ``bench`` and its sub-subcommands ``run``, ``compare``, ``workload``, ``side-by-side``."""
     bench = subparsers.add_parser(
         "bench",
         help="benchmark an OpenAI-compatible server (vllm bench serve metrics)",
@@ -255,3 +387,5 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:  # type: ign
     add_workload_args(wl)
     wl.add_argument("--out", default=None, help="write the request list as JSON here")
     wl.set_defaults(handler=_cmd_workload)
+
+    _add_side_by_side(sub)

@@ -1,0 +1,308 @@
+"""``tetriinfer bench side-by-side``: perf/$ and tables on hand-made numbers, the runner against fake servers
+(JSON shape, probe, resource accounting), and one tiny real run against ``tetriinfer serve`` (slow mark)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from tetriinfer.bench import side_by_side as sbs
+from tetriinfer.bench.metrics import RequestRecord, summarize
+
+# ------------------------------------------------------------------------------------ pure computations
+
+PAPER = {  # workload: (JCT change, resource change, perf/$ reported by the paper)
+    "lpld": (-0.40, 0.0, 1.4),
+    "lphd": (-0.47, -0.38, 2.4),
+    "hpld": (-0.23, 0.43, 0.86),
+    "hphd": (-0.19, 0.07, 1.1),
+    "mixed": (-0.50, -0.21, 1.9),
+}
+
+
+@pytest.mark.parametrize("workload", list(PAPER))
+def test_perf_per_dollar_reproduces_the_papers_table(workload: str) -> None:
+    jct_change, res_change, reported = PAPER[workload]
+    value = sbs.perf_per_dollar(10.0 * (1 + jct_change), 10.0, 4.0 * (1 + res_change), 4.0)
+    assert value == pytest.approx(reported, abs=0.051)
+
+
+def test_perf_per_dollar_exact_and_undefined() -> None:
+    # JCT halves (reduction 0.5) on 80% of the resources: 1.5 / 0.8
+    assert sbs.perf_per_dollar(5.0, 10.0, 8.0, 10.0) == pytest.approx(1.875)
+    # slower and costlier than the baseline: below 1
+    assert sbs.perf_per_dollar(12.0, 10.0, 11.0, 10.0) == pytest.approx(0.8 / 1.1)
+    assert sbs.perf_per_dollar(None, 10.0, 8.0, 10.0) is None
+    assert sbs.perf_per_dollar(5.0, 10.0, None, 10.0) is None
+    assert sbs.perf_per_dollar(5.0, 0.0, 8.0, 10.0) is None
+    assert sbs.pct_change(15.0, 100.0) == pytest.approx(-0.85)
+    assert sbs.pct_change(1.0, None) is None
+
+
+def _cell(ttft: float, jct: float, resource: float | None) -> dict[str, Any]:
+    return {
+        "ttft_mean": ttft, "ttft_p99": 2 * ttft, "tpot_mean": 0.05, "jct_mean": jct, "jct_p99": 2 * jct,
+        "throughput_rps": 1.0, "resource_s": resource, "perf_per_dollar": None, "completed": 10, "failed": 0,
+    }
+
+
+def _hand_made() -> dict[str, Any]:
+    cells = {
+        "mixed": {"tetriinfer": _cell(0.15, 5.0, 79.0), "colocated": _cell(1.0, 10.0, 100.0)},
+        "hpld": {"tetriinfer": _cell(0.91, 7.7, 143.0), "colocated": _cell(1.0, 10.0, 100.0),
+                 "vllm": _cell(1.2, 11.0, None)},
+    }
+    return {"workloads": sbs.finalize(cells), "meta": {}}
+
+
+def test_finalize_and_relative_rows() -> None:
+    result = _hand_made()
+    wl = result["workloads"]
+    assert wl["mixed"]["colocated"]["perf_per_dollar"] == pytest.approx(1.0)
+    assert wl["mixed"]["tetriinfer"]["perf_per_dollar"] == pytest.approx(1.5 / 0.79)
+    assert wl["hpld"]["tetriinfer"]["perf_per_dollar"] == pytest.approx(1.23 / 1.43)
+    assert wl["hpld"]["vllm"]["perf_per_dollar"] is None  # an external server reports no resource time
+    rows = {(r["workload"], r["column"]): r for r in sbs.relative_rows(wl)}
+    assert set(rows) == {("mixed", "tetriinfer"), ("hpld", "tetriinfer"), ("hpld", "vllm")}
+    assert rows["mixed", "tetriinfer"]["ttft"] == pytest.approx(-0.85)
+    assert rows["mixed", "tetriinfer"]["jct"] == pytest.approx(-0.5)
+    assert rows["mixed", "tetriinfer"]["resource"] == pytest.approx(-0.21)
+    assert rows["hpld", "vllm"]["jct"] == pytest.approx(0.1)
+    assert rows["hpld", "vllm"]["resource"] is None
+
+
+def test_paper_table_and_markdown() -> None:
+    result = _hand_made()
+    table = sbs.paper_table(result)
+    assert "| mixed | tetriinfer | -85% | -50% | -21% | 1.90x |" in table
+    assert "| hpld | tetriinfer | -9% | -23% | +43% | 0.86x |" in table
+    assert "| hpld | vllm | +20% | +10% | - | - |" in table
+    md = sbs.markdown_report(result)
+    assert "## mixed" in md and "## hpld" in md
+    assert "5.00 (-50%)" in md  # the absolute JCT with its change vs colocated
+
+
+def test_closed_loop_rate() -> None:
+    # N=6 requests with C=2 in flight: the loop is full until the 4th completion, at t=4 s
+    assert sbs.closed_loop_rate([1, 2, 3, 4, 9, 12], 6, 2) == pytest.approx(1.0)
+    # two failures: only 4 completions; the window ends at the 4th = min(N - C, completed)
+    assert sbs.closed_loop_rate([0.5, 1.0, 1.5, 2.0], 8, 2) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="completed no request"):
+        sbs.closed_loop_rate([], 6, 2)
+    with pytest.raises(ValueError, match="num_requests"):
+        sbs.closed_loop_rate([1.0], 2, 2)
+
+
+def test_resource_seconds_and_cell_shape() -> None:
+    total, per = sbs.resource_seconds({"a": 1.0, "b": 2.0}, {"a": 4.5, "b": 2.5, "c": 1.0})
+    assert total == pytest.approx(5.0) and per == {"a": 3.5, "b": 0.5, "c": 1.0}
+    rec = RequestRecord("r0", 10, 3, 0.0, send_s=0.1, first_token_s=0.3, chunk_times_s=[0.3, 0.4, 0.5],
+                        chunk_tokens=[1, 1, 1], finish_s=0.5, output_tokens=3, success=True)
+    bad = RequestRecord("r1", 10, 3, 0.2, send_s=0.2, finish_s=0.3, error="HTTP 500")
+    cell = sbs.build_cell(summarize([rec, bad], 1.0), 2.5)
+    assert tuple(cell) == sbs.CELL_KEYS
+    assert cell["ttft_mean"] == pytest.approx(0.2) and cell["jct_mean"] == pytest.approx(0.5)
+    assert cell["completed"] == 1 and cell["failed"] == 1 and cell["resource_s"] == 2.5
+
+
+def test_parse_columns_and_layout() -> None:
+    cols = sbs.parse_columns(
+        "tetriinfer,colocated,tetri-sjf=tetriinfer",
+        ["vllm=http://127.0.0.1:9000/"],
+        ["--chunk-size 128", "tetri-sjf:--prefill-policy sjf"],
+    )
+    by = {c.label: c for c in cols}
+    assert by["tetri-sjf"].mode == "tetriinfer"
+    assert by["tetri-sjf"].serve_args == ("--chunk-size", "128", "--prefill-policy", "sjf")
+    assert by["colocated"].serve_args == ("--chunk-size", "128")
+    assert by["vllm"].external and by["vllm"].url == "http://127.0.0.1:9000"
+    with pytest.raises(ValueError, match="no column named"):
+        sbs.parse_columns("tetriinfer,colocated", [], ["sarathi:--chunk-size 64"])
+    with pytest.raises(ValueError, match="NAME=URL"):
+        sbs.parse_columns("colocated", ["vllm"], [])
+    with pytest.raises(ValueError, match="unknown mode"):
+        sbs.parse_columns("colocated,fast=warp", [], [])
+    assert sbs.layout_args("tetriinfer", 2, 1)[:4] == ["--prefill-instances", "1", "--decode-instances", "1"]
+    assert sbs.layout_args("sarathi", 2, 1)[:2] == ["--instances", "2"]
+
+
+def test_config_validation() -> None:
+    cols = sbs.parse_columns("tetriinfer,colocated")
+    with pytest.raises(ValueError, match="needs the 'colocated' mode"):
+        sbs.SideBySideConfig("m", ("lpld",), sbs.parse_columns("tetriinfer"))
+    with pytest.raises(ValueError, match="probe_requests"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, probe_requests=4, probe_concurrency=4)
+    with pytest.raises(ValueError, match="prefill_instances"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, instances=2, prefill_instances=2)
+    with pytest.raises(ValueError, match="rate_fraction"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, rate_fraction=0.0)
+    order = sbs.SideBySideConfig("m", ("lpld",), sbs.parse_columns("tetriinfer,colocated", ["v=http://x"]))
+    assert [c.label for c in order.ordered_columns()] == ["colocated", "tetriinfer", "v"]
+
+
+def test_cli_registers_side_by_side() -> None:
+    from tetriinfer.bench.cli import add_subparsers
+
+    parser = argparse.ArgumentParser()
+    add_subparsers(parser.add_subparsers())
+    args = parser.parse_args(["bench", "side-by-side", "--modes", "tetriinfer,colocated", "--rate", "auto",
+                              "--serve-arg=--chunk-size 128", "--out", "x.json"])
+    assert args.rate is None and args.serve_arg == ["--chunk-size 128"] and callable(args.handler)
+    assert parser.parse_args(["bench", "side-by-side", "--rate", "0.5", "--out", "x"]).rate == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "side-by-side", "--rate", "fast", "--out", "x"])
+    # the existing sub-commands still parse
+    assert parser.parse_args(["bench", "compare", "a.json"]).results == ["a.json"]
+
+
+# ------------------------------------------------------------------------- the runner with fake servers
+
+
+class FakeCluster:
+    """A minimal OpenAI-style server with ``/cluster``: a token every ``itl`` s after ``ttft`` s; each
+    request adds ``ttft + itl * tokens`` busy seconds to instance ``busy``."""
+
+    def __init__(self, ttft: float, itl: float) -> None:
+        self.ttft, self.itl, self.busy, self.in_flight = ttft, itl, 0.0, 0
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"data": [{"id": "fake", "max_model_len": 2048}]}
+
+        @app.get("/cluster")
+        async def cluster() -> dict[str, Any]:
+            inst = {"id": "busy", "queued": 0, "running": self.in_flight, "busy_s": self.busy}
+            return {"instances": [inst], "requests_in_flight": self.in_flight}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> StreamingResponse:
+            body = await request.json()
+            n = int(body["max_tokens"])
+
+            async def stream() -> Any:
+                self.in_flight += 1
+                await asyncio.sleep(self.ttft)
+                for i in range(n):
+                    if i:
+                        await asyncio.sleep(self.itl)
+                    usage = {"completion_tokens": i + 1}
+                    yield f"data: {json.dumps({'choices': [{'text': 'x', 'finish_reason': None}], 'usage': usage})}\n\n"
+                self.busy += self.ttft + self.itl * n
+                self.in_flight -= 1
+                yield f"data: {json.dumps({'choices': [{'text': '', 'finish_reason': 'length'}]})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_runner_writes_the_exact_json_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    speeds = {"colocated": (0.08, 0.004), "tetriinfer": (0.02, 0.002)}
+    started: list[tuple[str, tuple[str, ...]]] = []
+
+    @contextmanager
+    def fake_serve(model: str, mode: str, args: list[str], timeout: float) -> Iterator[str]:
+        started.append((mode, tuple(args)))
+        srv = FakeCluster(*speeds[mode])
+        try:
+            yield srv.start()
+        finally:
+            srv.stop()
+
+    monkeypatch.setattr(sbs, "serve", fake_serve)
+    monkeypatch.setattr(sbs, "wait_idle", lambda url, timeout_s=120.0, settle_s=0.0: {
+        i["id"]: i["busy_s"] for i in sbs.cluster_busy(url)["instances"]
+    })
+    cols = sbs.parse_columns("tetriinfer,colocated", [], ["tetriinfer:--chunk-size 128"])
+    cfg = sbs.SideBySideConfig(
+        str(tmp_path), ("lpld", "mixed"), cols, num_requests=5, probe_requests=4, probe_concurrency=2,
+        max_prompt_tokens=300, max_output_tokens=12, progress=False,
+    )
+    result, raw = sbs.SideBySide(cfg, "test").run()
+    assert [m for m, _ in started] == ["colocated", "tetriinfer"]  # the baseline (and its probe) first
+    assert ("--chunk-size", "128") == started[1][1][-2:] and "--chunk-size" not in started[0][1]
+    assert set(result) == {"workloads", "meta"}
+    assert set(result["workloads"]) == {"lpld", "mixed"}
+    for cells in result["workloads"].values():
+        assert list(cells) == ["tetriinfer", "colocated"]
+        for cell in cells.values():
+            assert tuple(cell) == sbs.CELL_KEYS
+            assert cell["completed"] == 5 and cell["failed"] == 0 and cell["resource_s"] > 0
+        assert cells["colocated"]["perf_per_dollar"] == pytest.approx(1.0)
+        # the faster fake is faster and cheaper, so its perf/$ beats the baseline
+        assert cells["tetriinfer"]["jct_mean"] < cells["colocated"]["jct_mean"]
+        assert cells["tetriinfer"]["perf_per_dollar"] > 1.0
+    rates = result["meta"]["rates"]
+    for wl in ("lpld", "mixed"):
+        assert rates[wl]["rate_rps"] == pytest.approx(0.7 * rates[wl]["probed_rps"])
+        assert rates[wl]["probed_rps"] > 0
+        # the same requests in every column
+        a, b = (raw[wl][c]["workload"] for c in ("tetriinfer", "colocated"))
+        assert a == b
+    path = sbs.save(result, tmp_path / "out.json")
+    assert json.loads(path.read_text())["workloads"] == json.loads(json.dumps(result["workloads"]))
+    plots = sbs.write_plots(result, raw, tmp_path / "plots")
+    assert (tmp_path / "plots" / "summary.png") in plots and all(p.stat().st_size > 1000 for p in plots)
+
+
+# --------------------------------------------------------------------------------- a tiny real run
+
+
+@pytest.mark.slow
+def test_tiny_real_side_by_side(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two real ``tetriinfer serve`` processes (colocated, then tetriinfer), one small workload, rate auto."""
+    from tetriinfer.cli import main
+
+    out, md = tmp_path / "sbs.json", tmp_path / "sbs.md"
+    rc = main([
+        "bench", "side-by-side", "--model", str(tiny_llama), "--workloads", "lpld",
+        "--modes", "tetriinfer,colocated", "-n", "4", "--rate", "auto", "--probe-requests", "3",
+        "--probe-concurrency", "2", "--max-prompt-tokens", "200", "--max-output-tokens", "16",
+        "--serve-arg", "tetriinfer:--chunk-size 64", "--out", str(out), "--md", str(md), "--no-progress",
+    ])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    cells = result["workloads"]["lpld"]
+    assert list(cells) == ["tetriinfer", "colocated"]
+    for cell in cells.values():
+        assert tuple(cell) == sbs.CELL_KEYS
+        assert cell["completed"] == 4 and cell["failed"] == 0
+        assert cell["resource_s"] > 0 and cell["ttft_mean"] <= cell["jct_mean"]
+    assert cells["colocated"]["perf_per_dollar"] == pytest.approx(1.0)
+    assert cells["tetriinfer"]["perf_per_dollar"] > 0
+    busy = result["meta"]["details"]["lpld"]["tetriinfer"]["busy_per_instance_s"]
+    assert set(busy) == {"prefill-0", "decode-0"} and all(v > 0 for v in busy.values())
+    assert result["meta"]["rates"]["lpld"]["probed_rps"] > 0
+    assert "| lpld | tetriinfer |" in md.read_text()

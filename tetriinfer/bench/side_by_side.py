@@ -1,0 +1,805 @@
+"""``tetriinfer bench side-by-side``: every serving mode on the same cores, the same model, the same requests.
+
+For each mode (a *column*), one ``tetriinfer serve`` process is started with the same number of instances,
+each pinned to its own core (disaggregated modes: ``P`` prefill + ``K - P`` decode instances; colocated
+modes: ``K`` instances), every workload is run against it in turn, and the server is stopped. External
+servers (``--extra-server NAME=URL``, e.g. ``vllm serve`` from its own venv) are driven as extra columns
+but never started or stopped by us and report no resource usage.
+
+Definitions (all relative metrics are against the ``colocated`` column, the paper's vLLM baseline):
+
+- ``resource_s`` = resource usage time = the sum over the server's instances of their busy seconds during
+  the workload (``GET /cluster`` ``busy_s`` read when the server is idle before and after the workload).
+- ``JCT reduction`` = ``1 - jct_mean / jct_mean_colocated``; ``resource ratio`` =
+  ``resource_s / resource_s_colocated``.
+- ``perf_per_dollar`` = ``(1 + JCT reduction) / resource ratio`` (the form the paper's Figure 12 numbers fit;
+  1.0 for the baseline itself; None when either side is undefined).
+- ``goodput_per_instance_s`` = requests that met every SLO / (instances x run duration): good requests per
+  provisioned instance-second (without SLOs, every completed request counts).
+- ``--rate auto``: the *probe* runs on the colocated column first. For each workload it sends
+  ``probe_requests`` requests drawn from the same distribution (another seed) closed-loop with
+  ``probe_concurrency`` in flight (a new request starts whenever one finishes). With ``N`` requests and
+  ``C`` in flight, the loop is full until the ``(N - C)``-th completion, so the sustainable rate is
+  ``(N - C) / t_(N-C)`` (completions per second while the loop was full, ``t`` from the start). Every mode
+  is then run open-loop (Poisson) at ``rate_fraction`` (default 70%) of that rate.
+
+Invariants: every (workload, column) cell in the output holds exactly the ``CELL_KEYS``; the baseline
+column is run first; each workload's requests (lengths and arrival times) are identical in every column.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tetriinfer.bench.metrics import SLO, RequestRecord, flat_summary
+from tetriinfer.bench.workloads import Workload, WorkloadRequest, load_workload, workload_summary_line
+
+BASELINE = "colocated"
+DISAGGREGATED_MODES = ("tetriinfer", "distserve")
+COLOCATED_MODES = ("colocated", "sarathi")
+SERVER_MODES = DISAGGREGATED_MODES + COLOCATED_MODES
+CELL_KEYS: tuple[str, ...] = (
+    "ttft_mean",
+    "ttft_p99",
+    "tpot_mean",
+    "jct_mean",
+    "jct_p99",
+    "throughput_rps",
+    "resource_s",
+    "perf_per_dollar",
+    "completed",
+    "failed",
+)
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+# ------------------------------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the report: our server in ``mode`` (``url is None``) or an external server at ``url``."""
+
+    label: str
+    mode: str | None = None
+    url: str | None = None
+    serve_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _LABEL_RE.match(self.label):
+            raise ValueError(f"column name {self.label!r} must be letters, digits, '_', '.', '+', '-'")
+        if (self.mode is None) == (self.url is None):
+            raise ValueError(f"column {self.label}: give exactly one of a mode or an external URL")
+        if self.mode is not None and self.mode not in SERVER_MODES:
+            raise ValueError(f"column {self.label}: unknown mode {self.mode!r}; one of {', '.join(SERVER_MODES)}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"external server {self.label}: URL must start with http(s)://, got {self.url!r}")
+
+    @property
+    def external(self) -> bool:
+        return self.url is not None
+
+
+@dataclass(frozen=True)
+class SideBySideConfig:
+    """Everything one side-by-side run needs. ``rate=None`` means ``auto`` (probe the baseline)."""
+
+    model: str
+    workloads: tuple[str, ...]
+    columns: tuple[Column, ...]
+    num_requests: int = 50
+    rate: float | None = None
+    rate_fraction: float = 0.7
+    probe_requests: int = 16
+    probe_concurrency: int = 8
+    instances: int = 2
+    prefill_instances: int = 1
+    max_prompt_tokens: int | None = 1536
+    max_output_tokens: int | None = 384
+    max_context: int | None = None
+    arrival: str = "poisson"
+    burstiness_cv: float = 1.0
+    length_source: str | None = None
+    seed: int = 0
+    slo: SLO = field(default_factory=SLO)
+    request_timeout_s: float = 900.0
+    startup_timeout_s: float = 600.0
+    kv_cache_memory_gb: float = 0.25
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.workloads:
+            raise ValueError("side-by-side needs at least one workload")
+        if len(set(self.workloads)) != len(self.workloads):
+            raise ValueError(f"workloads given twice: {self.workloads}")
+        labels = [c.label for c in self.columns]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"column names must be unique, got {labels}")
+        if not any(c.label == BASELINE and c.mode == BASELINE for c in self.columns):
+            raise ValueError(
+                "side-by-side needs the 'colocated' mode: it is the baseline of every relative metric "
+                "and of --rate auto"
+            )
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"rate must be a positive number of requests/s or auto, got {self.rate}")
+        if not 0 < self.rate_fraction <= 1:
+            raise ValueError(f"rate_fraction must be in (0, 1], got {self.rate_fraction}")
+        if self.probe_concurrency < 1 or self.probe_requests <= self.probe_concurrency:
+            raise ValueError(
+                f"the probe needs probe_requests ({self.probe_requests}) > probe_concurrency "
+                f"({self.probe_concurrency}) >= 1 (the loop must be full for at least one completion)"
+            )
+        if self.instances < 2:
+            raise ValueError(f"instances must be >= 2 (a prefill and a decode instance), got {self.instances}")
+        if not 1 <= self.prefill_instances < self.instances:
+            raise ValueError(
+                f"prefill_instances must be in [1, instances - 1] = [1, {self.instances - 1}], "
+                f"got {self.prefill_instances}"
+            )
+        if self.arrival not in ("poisson", "gamma"):
+            raise ValueError(f"arrival must be poisson or gamma, got {self.arrival!r}")
+        if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0 or self.kv_cache_memory_gb <= 0:
+            raise ValueError("timeouts and kv_cache_memory_gb must be positive")
+
+    @property
+    def baseline(self) -> Column:
+        return next(c for c in self.columns if c.label == BASELINE)
+
+    def ordered_columns(self) -> list[Column]:
+        """Baseline first (the probe runs on it), then our other modes, then external servers."""
+        rest = [c for c in self.columns if c.label != BASELINE]
+        return [self.baseline] + [c for c in rest if not c.external] + [c for c in rest if c.external]
+
+
+def parse_columns(
+    modes: str, extra_servers: Sequence[str] = (), serve_args: Sequence[str] = ()
+) -> tuple[Column, ...]:
+    """Columns from ``--modes a,b,NAME=MODE``, ``--extra-server NAME=URL`` and ``--serve-arg [NAME:]ARGS``.
+
+    A ``--serve-arg`` without a ``NAME:`` prefix goes to every one of our columns; with one, only to that
+    column (``tetriinfer:--prefill-policy sjf``). Arguments are split like a shell would.
+    """
+    specs: list[tuple[str, str]] = []
+    for item in (m.strip() for m in modes.split(",")):
+        if not item:
+            continue
+        label, _, mode = item.partition("=")
+        specs.append((label, mode or label))
+    if not specs:
+        raise ValueError("--modes is empty")
+    labels = {label for label, _ in specs}
+    common: list[str] = []
+    scoped: dict[str, list[str]] = {}
+    for raw in serve_args:
+        prefix, sep, rest = raw.partition(":")
+        if sep and not prefix.startswith("-") and " " not in prefix:
+            if prefix not in labels:
+                raise ValueError(f"--serve-arg {raw!r}: no column named {prefix!r} (columns: {sorted(labels)})")
+            scoped.setdefault(prefix, []).extend(shlex.split(rest))
+        else:
+            common.extend(shlex.split(raw))
+    cols = [Column(label, mode, None, tuple(common + scoped.get(label, []))) for label, mode in specs]
+    for raw in extra_servers:
+        name, sep, url = raw.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--extra-server must be NAME=URL, got {raw!r}")
+        cols.append(Column(name, None, url.rstrip("/")))
+    return tuple(cols)
+
+
+def layout_args(mode: str, instances: int, prefill_instances: int) -> list[str]:
+    """``serve`` arguments that give every mode the same ``instances`` cores, one instance per core."""
+    if mode in DISAGGREGATED_MODES:
+        return [
+            "--prefill-instances",
+            str(prefill_instances),
+            "--decode-instances",
+            str(instances - prefill_instances),
+            "--cores-per-instance",
+            "1",
+        ]
+    if mode in COLOCATED_MODES:
+        return ["--instances", str(instances), "--cores-per-instance", "1"]
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+# --------------------------------------------------------------------------------- pure computations
+
+
+def perf_per_dollar(
+    jct_mean: float | None, jct_base: float | None, resource_s: float | None, resource_base: float | None
+) -> float | None:
+    """The paper's perf/$ vs the baseline: ``(1 + (1 - jct/jct_base)) / (resource/resource_base)``.
+
+    Checks against the paper's table: JCT -47% with resource -38% gives 2.37 (LPHD, "2.4x").
+    """
+    if None in (jct_mean, jct_base, resource_s, resource_base):
+        return None
+    assert jct_mean is not None and jct_base is not None and resource_s is not None and resource_base is not None
+    if jct_base <= 0 or resource_base <= 0 or resource_s <= 0:
+        return None
+    reduction = 1.0 - jct_mean / jct_base
+    return (1.0 + reduction) / (resource_s / resource_base)
+
+
+def pct_change(value: float | None, base: float | None) -> float | None:
+    """``value / base - 1`` (-0.85 = 85% lower), or None when undefined."""
+    if value is None or base is None or base == 0:
+        return None
+    return value / base - 1.0
+
+
+def closed_loop_rate(finish_times_s: Sequence[float], num_requests: int, concurrency: int) -> float:
+    """Sustainable rate from a closed-loop probe: ``(N - C) / t_(N-C)`` (see the module docstring).
+
+    ``finish_times_s`` are the completion times (from the start) of the successful requests. Failed
+    requests shorten the full-loop window: ``k = min(N - C, completed)``.
+    """
+    if concurrency < 1 or num_requests <= concurrency:
+        raise ValueError(f"need num_requests ({num_requests}) > concurrency ({concurrency}) >= 1")
+    done = sorted(t for t in finish_times_s if t is not None)
+    k = min(num_requests - concurrency, len(done))
+    if k < 1 or done[k - 1] <= 0:
+        raise ValueError("the rate probe completed no request; is the server working?")
+    return k / done[k - 1]
+
+
+def resource_seconds(before: dict[str, float], after: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """Total and per-instance busy seconds between two ``{instance id: busy_s}`` readings."""
+    per = {iid: max(0.0, after.get(iid, 0.0) - before.get(iid, 0.0)) for iid in sorted(set(before) | set(after))}
+    return sum(per.values()), per
+
+
+def build_cell(summary: dict[str, Any], resource_s: float | None) -> dict[str, Any]:
+    """The output cell (exactly ``CELL_KEYS``) from a bench summary; perf/$ is filled in by ``finalize``."""
+    flat = flat_summary(summary)
+    cell = {k: flat[k] for k in CELL_KEYS if k in flat}
+    cell["resource_s"] = resource_s
+    cell["perf_per_dollar"] = None
+    return {k: cell[k] for k in CELL_KEYS}
+
+
+def finalize(workloads: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Fill ``perf_per_dollar`` of every cell relative to the workload's ``colocated`` cell (returns a copy)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for wl, cells in workloads.items():
+        base = cells.get(BASELINE)
+        out[wl] = {}
+        for label, cell in cells.items():
+            new = dict(cell)
+            if base is not None:
+                new["perf_per_dollar"] = perf_per_dollar(
+                    cell["jct_mean"], base["jct_mean"], cell["resource_s"], base["resource_s"]
+                )
+            out[wl][label] = new
+    return out
+
+
+def relative_rows(workloads: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Paper-style rows: per (workload, non-baseline column) the % changes of TTFT, JCT, resource, and perf/$."""
+    rows: list[dict[str, Any]] = []
+    for wl, cells in workloads.items():
+        base = cells.get(BASELINE)
+        if base is None:
+            continue
+        for label, cell in cells.items():
+            if label == BASELINE:
+                continue
+            rows.append({
+                "workload": wl,
+                "column": label,
+                "ttft": pct_change(cell["ttft_mean"], base["ttft_mean"]),
+                "jct": pct_change(cell["jct_mean"], base["jct_mean"]),
+                "resource": pct_change(cell["resource_s"], base["resource_s"]),
+                "perf_per_dollar": cell["perf_per_dollar"],
+            })
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ markdown
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:+.0f}%"
+
+
+def _num(v: float | None, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}"
+
+
+def paper_table(result: dict[str, Any]) -> str:
+    """The paper's Figure-12-style table: changes vs colocated, one row per (workload, column)."""
+    rows = relative_rows(result["workloads"])
+    lines = [
+        "| workload | column | TTFT | JCT | resource | perf/$ |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ppd = r["perf_per_dollar"]
+        lines.append(
+            f"| {r['workload']} | {r['column']} | {_pct(r['ttft'])} | {_pct(r['jct'])} | "
+            f"{_pct(r['resource'])} | {'-' if ppd is None else f'{ppd:.2f}x'} |"
+        )
+    return "\n".join(lines)
+
+
+def workload_table(result: dict[str, Any], workload: str) -> str:
+    """Absolute numbers of one workload, every column, with changes vs colocated."""
+    cells = result["workloads"][workload]
+    details = result.get("meta", {}).get("details", {}).get(workload, {})
+    base = cells.get(BASELINE)
+    lines = [
+        "| column | TTFT mean s | TTFT p99 s | TPOT mean s | JCT mean s | JCT p99 s | resource s | "
+        "busy per instance s | req/s | goodput/inst-s | perf/$ | completed | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, c in cells.items():
+        d = details.get(label, {})
+        busy = d.get("busy_per_instance_s") or {}
+        busy_text = ", ".join(f"{k}: {v:.1f}" for k, v in busy.items()) or "-"
+
+        def with_delta(key: str, c: dict[str, Any] = c, label: str = label) -> str:
+            v = c[key]
+            if label == BASELINE or base is None:
+                return _num(v)
+            return f"{_num(v)} ({_pct(pct_change(v, base[key]))})"
+
+        ppd = c["perf_per_dollar"]
+        lines.append(
+            f"| {label} | {with_delta('ttft_mean')} | {with_delta('ttft_p99')} | {_num(c['tpot_mean'], 3)} | "
+            f"{with_delta('jct_mean')} | {with_delta('jct_p99')} | {with_delta('resource_s')} | {busy_text} | "
+            f"{_num(c['throughput_rps'], 3)} | {_num(d.get('goodput_per_instance_s'), 3)} | "
+            f"{'-' if ppd is None else f'{ppd:.2f}x'} | {c['completed']} | {c['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative_to: Path | None = None) -> str:
+    """The whole report: setup, rates, the paper-style table, per-workload tables, plots."""
+    meta = result.get("meta", {})
+    m = meta.get("machine", {})
+    lines = ["# Side-by-side: TetriInfer vs its baselines on the same cores", ""]
+    lines.append(f"- Command: `{meta.get('command', '?')}`")
+    lines.append(f"- Started {meta.get('started_at', '?')}, took {_num(meta.get('wall_s'), 0)} s wall time.")
+    lines.append(
+        f"- Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, Python {m.get('python', '?')}, "
+        f"torch {m.get('torch', '?')}; load average at start {m.get('loadavg_start', '?')}, "
+        f"at end {m.get('loadavg_end', '?')} (the machine is shared: compare columns, not absolute times)."
+    )
+    lines.append(f"- Model: `{meta.get('model', '?')}`; caps: {meta.get('caps', {})}.")
+    lines.append(
+        f"- Layout: {meta.get('instances', '?')} instances, one core each; disaggregated modes use "
+        f"{meta.get('prefill_instances', '?')} prefill + "
+        f"{(meta.get('instances') or 0) - (meta.get('prefill_instances') or 0)} decode instance(s)."
+    )
+    for col in meta.get("columns", []):
+        where = col.get("url") or f"`tetriinfer serve {' '.join(col.get('serve_args', []))}`"
+        lines.append(f"  - **{col['label']}**: {where}")
+    lines.append(f"- SLOs for goodput: {meta.get('slo', {})} (none set: every completed request counts).")
+    lines += ["", "## Request rates", ""]
+    rates = meta.get("rates", {})
+    if meta.get("rate_mode") == "auto":
+        lines.append(
+            f"`--rate auto`: closed-loop probe on the colocated baseline ({meta.get('probe_requests')} requests, "
+            f"{meta.get('probe_concurrency')} in flight; sustainable rate = (N - C) / t_(N-C)), then every "
+            f"column runs open-loop {meta.get('arrival', 'poisson')} arrivals at "
+            f"{meta.get('rate_fraction', 0) * 100:.0f}% of it."
+        )
+    else:
+        lines.append("Fixed rate given on the command line.")
+    lines += ["", "| workload | probed sustainable req/s | run req/s | requests |", "|---|---:|---:|---:|"]
+    for wl, r in rates.items():
+        lines.append(f"| {wl} | {_num(r.get('probed_rps'), 3)} | {_num(r.get('rate_rps'), 3)} | {r.get('requests')} |")
+    lines += [
+        "",
+        "## Paper-style summary (change vs colocated)",
+        "",
+        paper_table(result),
+        "",
+        "TTFT and JCT are means; resource = total busy seconds of all instances during the workload; "
+        "perf/$ = (1 + JCT reduction) / (resource ratio), the form the paper's numbers fit (1.0 = colocated).",
+    ]
+    for wl in result["workloads"]:
+        wl_meta = meta.get("workloads", {}).get(wl, {})
+        lines += ["", f"## {wl}", ""]
+        if wl_meta:
+            lines.append(f"{wl_meta.get('summary_line', '')}")
+            lines.append("")
+        lines.append(workload_table(result, wl))
+    if plots:
+        lines += ["", "## Plots", ""]
+        for p in plots:
+            rel = p.relative_to(relative_to) if relative_to and p.is_relative_to(relative_to) else p
+            lines.append(f"![{p.parent.name}/{p.stem}]({rel.as_posix()})")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cluster_busy(base_url: str) -> dict[str, Any]:
+    """``GET /cluster`` of our server."""
+    resp = httpx.get(base_url.rstrip("/") + "/cluster", timeout=30)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def wait_idle(base_url: str, timeout_s: float = 120.0, settle_s: float = 0.35) -> dict[str, float]:
+    """Wait until no request is in flight or queued anywhere, let one load report pass, return busy_s."""
+    deadline = time.monotonic() + timeout_s
+    info = cluster_busy(base_url)
+    while time.monotonic() < deadline:
+        info = cluster_busy(base_url)
+        idle = info.get("requests_in_flight", 0) == 0 and all(
+            i["queued"] == 0 and i["running"] == 0 for i in info["instances"]
+        )
+        if idle:
+            break
+        time.sleep(0.25)
+    time.sleep(settle_s)
+    info = cluster_busy(base_url)
+    return {i["id"]: float(i["busy_s"]) for i in info["instances"]}
+
+
+@contextmanager
+def serve(model: str, mode: str, args: Sequence[str], startup_timeout_s: float) -> Iterator[str]:
+    """Start ``tetriinfer serve`` in ``mode`` on a free port; yield its base URL; stop it (SIGINT, then kill)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", model, "--mode", mode,
+           "--port", str(port), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"side_by_side_{mode}_", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+
+    def tail() -> str:
+        log.flush()
+        return Path(log.name).read_text(encoding="utf-8", errors="replace")[-3000:]
+
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tetriinfer serve ({mode}) exited with {proc.returncode}:\n{tail()}")
+            try:
+                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tetriinfer serve ({mode}) not healthy after {startup_timeout_s} s:\n{tail()}")
+            time.sleep(0.5)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        Path(log.name).unlink(missing_ok=True)
+
+
+def served_model_id(base_url: str) -> str:
+    """The first model id from ``GET /v1/models`` (how an external server names its model)."""
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data or not data[0].get("id"):
+        raise ValueError(f"{base_url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+# ------------------------------------------------------------------------------------------- running
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_version = "?"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "platform": platform.platform(),
+    }
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+class SideBySide:
+    """Runs a ``SideBySideConfig``; ``run()`` returns ``(result, raw)`` where ``raw[workload][column]`` is the
+    full bench results dict (per-request records) of that cell, for plots."""
+
+    def __init__(self, config: SideBySideConfig, command: str = "") -> None:
+        self.config = config
+        self.command = command
+        self.rates: dict[str, dict[str, Any]] = {}
+        self.cells: dict[str, dict[str, dict[str, Any]]] = {}
+        self.details: dict[str, dict[str, dict[str, Any]]] = {}
+        self.raw: dict[str, dict[str, dict[str, Any]]] = {}
+        self.workload_meta: dict[str, dict[str, Any]] = {}
+
+    # -- workloads
+    def _workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:
+        c = self.config
+        is_trace = name.lower().startswith("trace:")
+        arrival = "trace" if is_trace and not burst else c.arrival  # traces keep their own timestamps
+        return load_workload(
+            name,
+            n,
+            None if burst else rate,
+            seed,
+            arrival=arrival,
+            burstiness_cv=c.burstiness_cv,
+            max_prompt_tokens=c.max_prompt_tokens,
+            max_output_tokens=c.max_output_tokens,
+            max_context=c.max_context,
+            length_source=c.length_source,
+        )
+
+    def _client_options(self, column: Column) -> dict[str, Any]:
+        c = self.config
+        return {
+            # real-text prompts with the model's tokenizer where it ships one, else random token ids
+            "tokenizer": c.model if not column.external and (Path(c.model) / "tokenizer.json").is_file() else None,
+            "max_context": c.max_context,
+            "request_timeout_s": c.request_timeout_s,
+            "seed": c.seed,
+            "progress": c.progress,
+        }
+
+    def _bench(self, url: str, model: str, column: Column, workload: Workload, **extra: Any) -> dict[str, Any]:
+        from tetriinfer.bench.client import ClientConfig, run_benchmark
+
+        cfg = ClientConfig(base_url=url, model=model, **{**self._client_options(column), **extra})
+        return run_benchmark(cfg, workload, self.config.slo, column.label)
+
+    # -- probe
+    def probe(self, url: str, model: str, column: Column, name: str) -> float:
+        c = self.config
+        wl = self._workload(name, c.probe_requests, None, c.seed + 1000, burst=True)
+        res = self._bench(url, model, column, wl, max_concurrency=c.probe_concurrency)
+        records = [RequestRecord.from_dict(r) for r in res["requests"]]
+        finishes = [r.last_token_s for r in records if r.success and r.last_token_s is not None]
+        sent = len(wl) - wl.num_rejected
+        return closed_loop_rate(finishes, sent, min(c.probe_concurrency, sent - 1))
+
+    # -- one column
+    def _run_column(self, column: Column, url: str, ours: bool) -> None:
+        c = self.config
+        model = served_model_id(url)
+        instances = c.instances
+        if ours:  # warm-up (first forwards, connections), not measured
+            warm = Workload("warmup", tuple(WorkloadRequest(f"warm-{i}", 0.0, 16, 4) for i in range(2)),
+                            "warm-up", "burst", None, c.seed)
+            self._bench(url, model, column, warm, progress=False)
+        for name in c.workloads:
+            if name not in self.rates:
+                probed = self.probe(url, model, column, name) if c.rate is None else None
+                rate = c.rate if c.rate is not None else probed * c.rate_fraction  # type: ignore[operator]
+                self.rates[name] = {"probed_rps": probed, "rate_rps": rate, "requests": c.num_requests}
+                if probed is not None:
+                    print(f"{name}: colocated sustains {probed:.3f} req/s (closed-loop probe); running every "
+                          f"column at {rate:.3f} req/s", flush=True)
+            wl = self._workload(name, c.num_requests, self.rates[name]["rate_rps"], c.seed)
+            self.workload_meta.setdefault(wl.name, {
+                "summary_line": workload_summary_line(wl), "describe": wl.describe(), "key": name,
+            })
+            before = wait_idle(url) if ours else {}
+            load_start = _loadavg()
+            res = self._bench(url, model, column, wl)
+            after = wait_idle(url) if ours else {}
+            total, per = resource_seconds(before, after) if ours else (None, {})
+            s = res["summary"]
+            good = s["good_requests"] if s["good_requests"] is not None else s["completed"]
+            duration = s["duration_s"]
+            self.cells.setdefault(wl.name, {})[column.label] = build_cell(s, total)
+            self.details.setdefault(wl.name, {})[column.label] = {
+                "busy_per_instance_s": per,
+                "utilization_per_instance": {k: v / duration for k, v in per.items()} if duration > 0 else {},
+                "duration_s": duration,
+                "goodput_rps": s["goodput"],
+                "goodput_per_instance_s": good / (instances * duration) if duration > 0 else None,
+                "send_lag_p99_s": s["send_lag"]["p99"],
+                "e2e_mean_s": s["e2e"]["mean"],
+                "itl_mean_s": s["itl"]["mean"],
+                "output_len_mismatch": s["output_len_mismatch"],
+                "rejected": s["rejected"],
+                "errors": s["errors"],
+                "loadavg_start": load_start,
+                "loadavg_end": _loadavg(),
+            }
+            self.raw.setdefault(wl.name, {})[column.label] = res
+            print(f"{wl.name} / {column.label}: completed {s['completed']}, failed {s['failed']}, TTFT mean "
+                  f"{s['ttft']['mean']}, JCT mean {s['jct']['mean']}, resource {total}", flush=True)
+
+    def run(self) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any]]]]:
+        c = self.config
+        started = datetime.now(UTC).isoformat(timespec="seconds")
+        t0 = time.monotonic()
+        machine = {**_machine(), "loadavg_start": _loadavg()}
+        for name in c.workloads:  # fail on a bad workload before any server starts
+            self._workload(name, min(c.num_requests, 4), c.rate or 1.0, c.seed)
+        for column in c.ordered_columns():
+            if column.external:
+                assert column.url is not None
+                self._run_column(column, column.url, ours=False)
+                continue
+            assert column.mode is not None
+            args = [
+                *layout_args(column.mode, c.instances, c.prefill_instances),
+                "--kv-cache-memory-gb", str(c.kv_cache_memory_gb),
+                *column.serve_args,
+            ]
+            with serve(c.model, column.mode, args, c.startup_timeout_s) as url:
+                self._run_column(column, url, ours=True)
+        machine["loadavg_end"] = _loadavg()
+        order = [col.label for col in c.columns]
+        cells = {wl: {lab: row[lab] for lab in order if lab in row} for wl, row in self.cells.items()}
+        meta = {
+            "command": self.command,
+            "started_at": started,
+            "wall_s": time.monotonic() - t0,
+            "machine": machine,
+            "model": c.model,
+            "baseline": BASELINE,
+            "instances": c.instances,
+            "prefill_instances": c.prefill_instances,
+            "columns": [
+                {
+                    "label": col.label,
+                    "mode": col.mode,
+                    "url": col.url,
+                    "serve_args": (
+                        [*layout_args(col.mode, c.instances, c.prefill_instances),
+                         "--kv-cache-memory-gb", str(c.kv_cache_memory_gb), *col.serve_args]
+                        if col.mode else []
+                    ),
+                }
+                for col in c.columns
+            ],
+            "rate_mode": "auto" if c.rate is None else "fixed",
+            "rate_fraction": c.rate_fraction,
+            "probe_requests": c.probe_requests,
+            "probe_concurrency": c.probe_concurrency,
+            "arrival": c.arrival,
+            "rates": {self._wl_name(k): v for k, v in self.rates.items()},
+            "caps": {
+                "max_prompt_tokens": c.max_prompt_tokens,
+                "max_output_tokens": c.max_output_tokens,
+                "max_context": c.max_context,
+            },
+            "slo": asdict(c.slo),
+            "seed": c.seed,
+            "definitions": {
+                "resource_s": "sum over instances of busy seconds during the workload (GET /cluster busy_s)",
+                "perf_per_dollar": "(1 + (1 - jct_mean/jct_mean_colocated)) / (resource_s/resource_s_colocated)",
+                "goodput_per_instance_s": "requests meeting every SLO / (instances x run duration)",
+                "rate_auto": "(N - C) / t_(N-C) of a closed-loop probe on colocated, times rate_fraction",
+            },
+            "workloads": self.workload_meta,
+            "details": self.details,
+        }
+        return {"workloads": finalize(cells), "meta": meta}, self.raw
+
+    def _wl_name(self, key: str) -> str:
+        for name, m in self.workload_meta.items():
+            if m.get("key") == key:
+                return name
+        return key
+
+
+# --------------------------------------------------------------------------------------------- plots
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def write_plots(
+    result: dict[str, Any], raw: dict[str, dict[str, dict[str, Any]]], out_dir: str | Path
+) -> list[Path]:
+    """``summary.png`` (TTFT/JCT/resource change and perf/$ per workload) and per-workload CDFs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from tetriinfer.bench.report import plot_cdfs
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    rows = relative_rows(result["workloads"])
+    if rows:
+        workloads = list(dict.fromkeys(r["workload"] for r in rows))
+        columns = list(dict.fromkeys(r["column"] for r in rows))
+        fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+        width = 0.8 / max(1, len(columns))
+        x = np.arange(len(workloads))
+        for ax, (key, title) in zip(
+            axes,
+            (("ttft", "TTFT change vs colocated"), ("jct", "JCT change vs colocated"),
+             ("resource", "resource change vs colocated"), ("perf_per_dollar", "perf/$ (colocated = 1)")),
+            strict=True,
+        ):
+            for j, col in enumerate(columns):
+                vals = []
+                for wl in workloads:
+                    r = next((r for r in rows if r["workload"] == wl and r["column"] == col), None)
+                    v = None if r is None else r[key]
+                    vals.append(np.nan if v is None else (v if key == "perf_per_dollar" else v * 100))
+                ax.bar(x + j * width - 0.4 + width / 2, vals, width, label=col)
+            ax.axhline(1.0 if key == "perf_per_dollar" else 0.0, color="k", lw=0.8)
+            ax.set_xticks(x, workloads, rotation=20)
+            ax.set_title(title)
+            ax.set_ylabel("x" if key == "perf_per_dollar" else "%")
+            ax.grid(alpha=0.3, axis="y")
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(out / "summary.png", dpi=100)
+        plt.close(fig)
+        written.append(out / "summary.png")
+    for wl, cols in raw.items():
+        results = [(label, res) for label, res in cols.items()]
+        if results:
+            written += [p for p in plot_cdfs(results, out / _safe(wl)) if p.name != "inflight.png"]
+            (out / _safe(wl) / "inflight.png").unlink(missing_ok=True)
+    return written
+
+
+def save(result: dict[str, Any], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return p
