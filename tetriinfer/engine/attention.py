@@ -11,10 +11,12 @@ Padding tokens write nowhere and attend to nothing (their outputs are zeros and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tetriinfer.engine.models.layers import cpu_has_native
 
 
 @dataclass
@@ -29,29 +31,36 @@ class PrefillSegmentMeta:
 
 
 @dataclass
+class DecodeGroupMeta:
+    """Single-token segments with a cached prefix (decodes) of similar context lengths, attended as one
+    padded batch (grouping by length bounds the K/V gathered for padding)."""
+
+    rows: torch.Tensor  # [B] rows in the flat batch
+    row_start: int | None  # rows are exactly [row_start, row_start + B): read/write with a slice
+    slots: torch.Tensor  # [B, L] slots of each context, padded with the request's position-0 slot
+    mask: torch.Tensor | None  # [B, 1, 1, L] bool validity; None when every context has length L
+
+
+@dataclass
 class AttentionMetadata:
     num_real_tokens: int  # rows [0, num_real_tokens) are real; the rest is chunk padding
     slot_mapping: torch.Tensor  # [num_real_tokens] int64: where each real token's K/V is written
     prefill_segments: list[PrefillSegmentMeta]
-    # Single-token segments with a cached prefix (decodes), attended as one padded batch:
-    # decode_rows [B] rows in the flat batch, decode_slots [B, L] slots of each context (padded),
-    # decode_mask [B, 1, 1, L] bool validity. None when the step has no decodes.
-    decode_rows: torch.Tensor | None = None
-    decode_slots: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    decode_rows_contiguous: bool = False  # rows are exactly [0, B): write back with a slice
+    decode_groups: list[DecodeGroupMeta] = field(default_factory=list)
 
 
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
 ) -> torch.Tensor:
-    # q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]
-    h, hkv = q.shape[1], k.shape[1]
-    if h != hkv:
-        rep = h // hkv
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    # q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]. Grouped-query heads share K/V without copies
+    # (enable_gqa: query head h reads kv head h // (H / Hkv), as repeat_interleave would; bit-identical).
+    gqa = q.shape[1] != k.shape[1]
+    if q.shape[2] == 1 and q.dtype != torch.float32 and q.device.type == "cpu" and not cpu_has_native(q.dtype):
+        # Decode on a CPU without bf16/fp16 instructions: torch's reduced-precision SDPA kernel is several
+        # times slower than fp32 there for single-query rows; compute in fp32, round the output once.
+        o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
+        return o.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 def paged_attention(
@@ -67,18 +76,17 @@ def paged_attention(
         k_cache.index_copy_(0, meta.slot_mapping, k[:n])
         v_cache.index_copy_(0, meta.slot_mapping, v[:n])
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
-    if meta.decode_rows is not None:
-        assert meta.decode_slots is not None
-        b, length = meta.decode_slots.shape
-        flat = meta.decode_slots.view(-1)
+    for g in meta.decode_groups:
+        b, length = g.slots.shape
+        flat = g.slots.view(-1)
         kc = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vc = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-        if meta.decode_rows_contiguous:
-            qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
-            out[:b] = _sdpa(qd, kc, vc, meta.decode_mask, causal=False).squeeze(2)
+        if g.row_start is not None:
+            rows = slice(g.row_start, g.row_start + b)
+            out[rows] = _sdpa(q[rows].unsqueeze(2), kc, vc, g.mask, causal=False).squeeze(2)  # [B, H, D]
         else:
-            qd = q.index_select(0, meta.decode_rows).unsqueeze(2)
-            out.index_copy_(0, meta.decode_rows, _sdpa(qd, kc, vc, meta.decode_mask, causal=False).squeeze(2))
+            qd = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
+            out.index_copy_(0, g.rows, _sdpa(qd, kc, vc, g.mask, causal=False).squeeze(2))
     for seg in meta.prefill_segments:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]

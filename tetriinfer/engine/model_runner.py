@@ -11,7 +11,7 @@ import time
 import torch
 
 from tetriinfer.core.step import SchedulerOutput, StepResult
-from tetriinfer.engine.attention import AttentionMetadata, PrefillSegmentMeta
+from tetriinfer.engine.attention import AttentionMetadata, DecodeGroupMeta, PrefillSegmentMeta
 from tetriinfer.engine.kv_cache import KVCacheTensors
 from tetriinfer.engine.model_config import ModelConfig
 from tetriinfer.engine.sampler import Sampler
@@ -44,8 +44,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """-> input_ids [T], positions [T], metadata, rows to sample (indices into the flat batch).
 
-        Segments of one token with a cached prefix (decodes, in DECODE or MIXED steps) are attended as
-        one padded batch; every other segment is a prefill segment attended on its own.
+        Segments of one token with a cached prefix (decodes, in DECODE or MIXED steps) are attended in
+        padded batches of similar context lengths; every other segment is a prefill segment attended on
+        its own.
         """
         ids: list[int] = []
         pos: list[torch.Tensor] = []
@@ -89,22 +90,37 @@ class ModelRunner:
         slot_mapping = torch.cat(slots).to(self.device)
         meta = AttentionMetadata(num_real, slot_mapping, segs_meta)
         if dec_rows:
-            bs = self.kv.block_size
-            max_len = max(dec_lens)
-            max_blocks = -(-max_len // bs)
-            table = torch.zeros(len(dec_tables), max_blocks, dtype=torch.long)
-            for i, bt in enumerate(dec_tables):
-                m = min(len(bt), max_blocks)
-                table[i, :m] = bt[:m]
-            ctx = torch.arange(max_len, dtype=torch.long)
-            lens = torch.tensor(dec_lens, dtype=torch.long)
-            # Positions past a request's length re-read its position 0 (always written), then get masked.
-            ctx_pos = torch.where(ctx[None, :] < lens[:, None], ctx[None, :], 0)  # [B, L]
-            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=self.device)
-            meta.decode_rows_contiguous = dec_rows == list(range(len(dec_rows)))
-            meta.decode_slots = (table.gather(1, ctx_pos // bs) * bs + ctx_pos % bs).to(self.device)  # [B, L]
-            meta.decode_mask = (ctx[None, :] < lens[:, None])[:, None, None, :].to(self.device)  # [B,1,1,L]
+            order = sorted(range(len(dec_rows)), key=lambda i: -dec_lens[i])
+            for group in _length_groups([dec_lens[i] for i in order]):
+                idx = [order[j] for j in group]
+                meta.decode_groups.append(
+                    self._decode_group([dec_rows[i] for i in idx], [dec_tables[i] for i in idx],
+                                       [dec_lens[i] for i in idx])
+                )
         return input_ids, positions, meta, sample_rows
+
+    def _decode_group(self, rows: list[int], tables: list[torch.Tensor], lens: list[int]) -> DecodeGroupMeta:
+        bs = self.kv.block_size
+        max_len = max(lens)
+        max_blocks = -(-max_len // bs)
+        table = torch.zeros(len(tables), max_blocks, dtype=torch.long)
+        for i, bt in enumerate(tables):
+            m = min(len(bt), max_blocks)
+            table[i, :m] = bt[:m]
+        ctx = torch.arange(max_len, dtype=torch.long)
+        lengths = torch.tensor(lens, dtype=torch.long)
+        valid = ctx[None, :] < lengths[:, None]  # [B, L]
+        # Positions past a request's length re-read its position 0 (always written), then get masked.
+        ctx_pos = torch.where(valid, ctx[None, :], 0)  # [B, L]
+        slots = (table.gather(1, ctx_pos // bs) * bs + ctx_pos % bs).to(self.device)  # [B, L]
+        mask = None if min(lens) == max_len else valid[:, None, None, :].to(self.device)  # [B, 1, 1, L]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        return DecodeGroupMeta(
+            rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+            row_start=rows[0] if contiguous else None,
+            slots=slots,
+            mask=mask,
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -129,3 +145,23 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[seg.request_id] = lp
         return StepResult(out.step_id, sampled, logprobs, elapsed_s=time.perf_counter() - t0)
+
+
+# A decode group closes when the next (shorter) context is below this fraction of the group's longest:
+# padding then costs at most 1 / GROUP_RATIO of the K/V a group really needs, and contexts up to
+# GROUP_MIN_LEN tokens never split (gathering a few padded short contexts is cheaper than another call).
+GROUP_RATIO = 0.7
+GROUP_MIN_LEN = 64
+
+
+def _length_groups(lens_desc: list[int]) -> list[list[int]]:
+    """Indices into ``lens_desc`` (sorted descending) grouped into runs of similar lengths."""
+    groups: list[list[int]] = []
+    group_max = 0
+    for i, n in enumerate(lens_desc):
+        if groups and (n >= GROUP_RATIO * group_max or group_max <= GROUP_MIN_LEN):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            group_max = n
+    return groups

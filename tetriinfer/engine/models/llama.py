@@ -9,16 +9,16 @@ from torch import nn
 
 from tetriinfer.engine.attention import AttentionMetadata, paged_attention
 from tetriinfer.engine.model_config import ModelConfig
-from tetriinfer.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from tetriinfer.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"  # Qwen2: bias on q/k/v only
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=o_bias)
 
     def forward(
         self,
@@ -43,8 +43,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, inter] each
@@ -72,7 +72,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from tetriinfer.engine.attention import AttentionMetadata, paged_attention
 from tetriinfer.engine.model_config import ModelConfig
+from tetriinfer.engine.models.layers import Linear
 
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -19,8 +20,8 @@ class OPTAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.qkv_proj = nn.Linear(h, 3 * h, bias=cfg.attention_bias)
-        self.out_proj = nn.Linear(h, h, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(h, 3 * h, bias=cfg.attention_bias)
+        self.out_proj = Linear(h, h, bias=cfg.attention_bias)
 
     def forward(self, x: torch.Tensor, kv, meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
         c = self.cfg
@@ -40,8 +41,8 @@ class OPTDecoderLayer(nn.Module):
         h = cfg.hidden_size
         self.self_attn = OPTAttention(cfg)
         self.self_attn_layer_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
-        self.fc1 = nn.Linear(h, cfg.intermediate_size, bias=cfg.attention_bias)
-        self.fc2 = nn.Linear(cfg.intermediate_size, h, bias=cfg.attention_bias)
+        self.fc1 = Linear(h, cfg.intermediate_size, bias=cfg.attention_bias)
+        self.fc2 = Linear(cfg.intermediate_size, h, bias=cfg.attention_bias)
         self.final_layer_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, kv, meta: AttentionMetadata) -> torch.Tensor:
@@ -68,11 +69,11 @@ class OPTForCausalLM(nn.Module):
         proj = cfg.word_embed_proj_dim or h
         self.embed_tokens = nn.Embedding(cfg.vocab_size, proj)
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings + _POSITION_OFFSET, h)
-        self.project_in = nn.Linear(proj, h, bias=False) if proj != h else None
-        self.project_out = nn.Linear(h, proj, bias=False) if proj != h else None
+        self.project_in = Linear(proj, h, bias=False) if proj != h else None
+        self.project_out = Linear(h, proj, bias=False) if proj != h else None
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.final_layer_norm = nn.LayerNorm(h, eps=cfg.norm_eps) if cfg.do_layer_norm_before else None
-        self.lm_head = nn.Linear(proj, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(proj, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
