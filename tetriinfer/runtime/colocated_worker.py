@@ -70,12 +70,7 @@ class ColocatedWorker:
         out = self.scheduler.schedule()
         result = self.ctx.runner.execute(out)
         upd = self.scheduler.update(out, result)
-        for rid, tok in upd.new_tokens.items():
-            req = self.scheduler.requests.get(rid) or next((r for r in upd.finished if r.request_id == rid), None)
-            if req is not None:
-                self.ctx.emit_tokens(req, [tok])
-        for req in upd.finished:
-            self.ctx.emit_finished(req)
+        self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         return not out.is_empty
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:

@@ -178,12 +178,8 @@ class PrefillWorker:
             return False
         result = self.ctx.runner.execute(out)
         upd = self.scheduler.update(out, result)
-        for rid in upd.new_tokens:
-            req = self.scheduler.requests.get(rid) or next((r for r in upd.finished if r.request_id == rid), None)
-            if req is not None:
-                self.ctx.emit_tokens(req, [upd.new_tokens[rid]])
+        self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         for req in upd.finished:
-            self.ctx.emit_finished(req)
             stream = self.streams.get(req.request_id)
             if stream is not None:  # ended by its first token: the decode side must free its reservation
                 self.ctx.send_peer(stream.decode_id, Abort(req.request_id))

@@ -50,6 +50,17 @@ class InstanceContext:
             TokenItem(req.request_id, req.num_output_tokens, [], True, FINISH_REASON[req.status], stop)
         )
 
+    def emit_update(self, live: dict[str, Request], new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None:
+        """Stream one step's new tokens, then its finished requests. ``live`` is the scheduler's table of
+        unfinished requests (requests that finished in this step are found in ``finished``)."""
+        ended = {r.request_id: r for r in finished}
+        for rid, tok in new_tokens.items():
+            req = live.get(rid) or ended.get(rid)
+            if req is not None:
+                self.emit_tokens(req, [tok])
+        for req in finished:
+            self.emit_finished(req)
+
     def emit_error(self, request_id: str, index: int, message: str) -> None:
         self.outbox.append(TokenItem(request_id, index, [], True, "error", None, message))
 
