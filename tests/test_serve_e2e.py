@@ -13,7 +13,8 @@ from tests.serve_helpers import ServeProcess, pid_alive
 from tetriinfer import LLM, SamplingParams
 
 MODES = {
-    "tetriinfer": ["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--chunk-size", "64"],
+    "tetriinfer": ["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--chunk-size", "64",
+                   "--chunk-padding", "full"],
     "tetriinfer-chunkwise": ["--mode", "tetriinfer", "--chunk-size", "32", "--kv-transfer", "chunk"],
     "tetriinfer-shm": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "shm"],
     "distserve": ["--mode", "distserve", "--chunk-size", "64"],

@@ -159,6 +159,7 @@ class ClusterEngineClient:
         return InstanceSpec(
             instance_id=iid, role=role, frontend_address=frontend, model=c.model, dtype=c.dtype,
             device=c.device, load_format=c.load_format, chunk_size=c.chunk_size, block_size=c.block_size,
+            pad_last_chunk=c.pad_last_chunk,
             num_kv_blocks=c.num_kv_blocks, kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
             max_model_len=self.max_model_len, cpu_cores=c.cores_for(index),
             num_threads=c.cores_per_instance if c.device == "cpu" else None, seed=c.seed + index,

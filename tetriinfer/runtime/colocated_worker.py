@@ -24,7 +24,8 @@ class ColocatedWorker:
         if spec.colocated_policy == "chunked":
             self.scheduler = LocalScheduler(
                 LocalSchedulerConfig(
-                    chunk_size=spec.chunk_size, max_num_seqs=spec.max_num_seqs, max_model_len=ctx.max_model_len
+                    chunk_size=spec.chunk_size, max_num_seqs=spec.max_num_seqs, max_model_len=ctx.max_model_len,
+                    pad_last_chunk=spec.pad_last_chunk,
                 ),
                 ctx.kv_manager,
             )

@@ -62,6 +62,7 @@ class Instance:
         self.spec = spec
         engine_config = EngineConfig(
             model=spec.model, dtype=spec.dtype, device=spec.device, chunk_size=spec.chunk_size,
+            pad_last_chunk=spec.pad_last_chunk,
             block_size=spec.block_size, num_kv_blocks=spec.num_kv_blocks,
             kv_cache_memory_gb=spec.kv_cache_memory_gb, max_num_seqs=spec.max_num_seqs,
             max_model_len=spec.max_model_len, load_format=spec.load_format, seed=spec.seed,

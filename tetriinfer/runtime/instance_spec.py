@@ -19,6 +19,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     device: str = "cpu"
     load_format: str = "auto"
     chunk_size: int = 512
+    pad_last_chunk: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None

@@ -79,6 +79,7 @@ class PrefillWorker:
                 policy=spec.prefill_policy,
                 prefill_sched_batch=spec.prefill_sched_batch,
                 chunk_size=spec.chunk_size,
+                pad_last_chunk=spec.pad_last_chunk,
                 max_model_len=ctx.max_model_len,
                 require_prediction=ctx.predictor is not None and spec.predictor_mode == "parallel",
             ),

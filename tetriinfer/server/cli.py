@@ -23,6 +23,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=2, help="instances in colocated modes")
     p.add_argument("--cores-per-instance", type=int, default=1)
     p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chunk-padding", default="auto", choices=["auto", "full", "none"],
+                   help="pad the last, partly filled prefill chunk to --chunk-size: full (the paper), none, or "
+                   "auto (pad on accelerators, not on CPU where every padded token costs compute)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
@@ -59,7 +62,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
     return ClusterConfig(
         model=model, mode=args.mode, dtype=args.dtype, device=args.device, load_format=args.load_format,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
-        instances=args.instances, chunk_size=args.chunk_size, block_size=args.block_size,
+        instances=args.instances, chunk_size=args.chunk_size, chunk_padding=args.chunk_padding,
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
@@ -84,12 +88,14 @@ def build_client(args: argparse.Namespace) -> Any:
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
     if args.mode == "single":
         from tetriinfer.engine.engine_config import EngineConfig
+        from tetriinfer.runtime.cluster_config import pads_last_chunk
         from tetriinfer.runtime.inprocess import InProcessEngineClient
 
         cfg = EngineConfig(model=model, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size,
                            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                            kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
-                           max_model_len=args.max_model_len, load_format=args.load_format)
+                           max_model_len=args.max_model_len, load_format=args.load_format,
+                           pad_last_chunk=pads_last_chunk(args.chunk_padding, args.device))
         return InProcessEngineClient(cfg, model_name=name), name
     from tetriinfer.runtime.cluster import ClusterEngineClient
 

@@ -1,0 +1,49 @@
+"""Cluster/engine settings that are resolved per device: chunk padding and the CPU allocator tuning."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
+from tetriinfer.core.request import Request
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.runtime.cluster_config import ClusterConfig, pads_last_chunk
+
+
+def test_chunk_padding_resolves_per_device() -> None:
+    assert pads_last_chunk("full", "cpu") and pads_last_chunk("full", "cuda")
+    assert not pads_last_chunk("none", "cpu") and not pads_last_chunk("none", "cuda")
+    assert not pads_last_chunk("auto", "cpu")  # CPU forward time grows with every padded token
+    assert pads_last_chunk("auto", "cuda")  # accelerators: a short forward costs a full one anyway
+    assert ClusterConfig(model="m").pad_last_chunk is False
+    assert ClusterConfig(model="m", chunk_padding="full").pad_last_chunk is True
+    with pytest.raises(ValueError, match="chunk_padding"):
+        ClusterConfig(model="m", chunk_padding="some")
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_prefill_scheduler_pads_only_when_asked(pad: bool) -> None:
+    kv = KVCacheManager(64, 16)
+    sched = PrefillScheduler(PrefillSchedulerConfig(chunk_size=128, max_model_len=1024, pad_last_chunk=pad), kv)
+    sched.add_request(Request("a", list(range(40)), SamplingParams(max_tokens=4), arrival_time=0.0))
+    out = sched.schedule()
+    assert sum(s.num_tokens for s in out.segments) == 40
+    assert out.num_padding_tokens == (88 if pad else 0)
+
+
+def test_cpu_allocator_tuning_is_idempotent_and_can_be_disabled() -> None:
+    from tetriinfer.engine.device import tune_cpu_allocator
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mallopt tuning applies to glibc Linux only")
+    assert tune_cpu_allocator() is True
+    assert tune_cpu_allocator() is True
+    code = "from tetriinfer.engine.device import tune_cpu_allocator; print(tune_cpu_allocator())"
+    env = {**os.environ, "TETRIINFER_MALLOC_TUNING": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
