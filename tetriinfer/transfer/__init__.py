@@ -1,5 +1,6 @@
 """KV-cache transfer: one polled API (send/recv, write/read, chunk-wise open/append/close) over in-process,
-shared-memory, TCP and (optional) NIXL links, plus fault injection, link pacing and a retry policy.
+shared-memory, TCP, torch.distributed (gloo/NCCL; `TorchDistBackend`, imported on first use) and (optional) NIXL
+links, plus fault injection, link pacing and a retry policy.
 
 Receive buffers should come from `backend.alloc_like(shapes, dtype)`: on shm they live in a shared-memory arena
 that the sender writes directly (one copy); on other links they are ordinary tensors."""
@@ -29,3 +30,12 @@ __all__ = [
     "TransferState", "TransferStats", "TransferStatus", "make_backend", "nixl_available",
     "parse_bandwidth", "parse_duration",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`TorchDistBackend` on first use, so that importing the package does not import torch."""
+    if name == "TorchDistBackend":
+        from tetriinfer.transfer.torchdist import TorchDistBackend
+
+        return TorchDistBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -112,6 +112,8 @@ class ZmqAgent:
     """
 
     kind = "zmq"
+    # caller buffers -> flat byte views; a backend whose payloads are not numpy views (torchdist) overrides it
+    _byte_views = staticmethod(as_byte_views)
 
     def __init__(self, bind_url: str, *, config: AgentConfig | None = None, use_shm: bool = False,
                  shm_pool_bytes: int = 256 << 20, advertise: str | None = None,
@@ -222,7 +224,7 @@ class ZmqAgent:
              timeout_s: float | None = None) -> RemoteRegion:
         """Post `into_buffers` for `transfer_id`; returns the region descriptor a sender may write into."""
         self._check_running()
-        views = as_byte_views(into_buffers, writable=True)
+        views = self._byte_views(into_buffers, writable=True)
         with self._lock:
             if transfer_id in self._regions:
                 raise ValueError(f"region {transfer_id!r} already exists on this agent")
@@ -237,7 +239,7 @@ class ZmqAgent:
     def register(self, region_id: str, buffers: Sequence[Buffer]) -> RemoteRegion:
         """Expose long-lived memory (e.g. KV blocks) for one-sided write()/read() by peers."""
         self._check_running()
-        views = as_byte_views(buffers, writable=True)
+        views = self._byte_views(buffers, writable=True)
         with self._lock:
             if region_id in self._regions:
                 raise ValueError(f"region {region_id!r} already exists on this agent")
@@ -295,7 +297,7 @@ class ZmqAgent:
     def _append(self, transfer_id: str, buffers: Sequence[Buffer], slots: Sequence[int] | None, *,
                 close: bool) -> None:
         self._check_running()
-        views = as_byte_views(buffers)
+        views = self._byte_views(buffers)
         with self._lock:
             out = self._out.get(transfer_id)
             if out is None:
@@ -374,7 +376,7 @@ class ZmqAgent:
              slots: Sequence[int] | None = None, timeout_s: float | None = None) -> None:
         """One-sided read of `remote_region`'s slots (default: all) into `into_buffers`."""
         self._check_running()
-        views = as_byte_views(into_buffers, writable=True)
+        views = self._byte_views(into_buffers, writable=True)
         slot_list = list(range(len(remote_region.slot_nbytes))) if slots is None else [int(s) for s in slots]
         if len(slot_list) != len(views):
             raise ValueError(f"{len(views)} destination buffers but {len(slot_list)} slots")

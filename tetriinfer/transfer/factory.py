@@ -1,7 +1,8 @@
 """`make_backend(name, **kw)`: the one way the runtime builds a transfer backend.
 
-Names: inproc, shm, tcp, nixl, faulty (kw: inner=<name or backend>, plan=FaultPlan or its fields),
-paced (kw: inner=..., bandwidth='200Gbps', latency=0). Unknown keyword arguments raise ValueError.
+Names: inproc, shm, tcp, nixl, torchdist (kw: rank, world_size, init_method, backend='auto'|'gloo'|'nccl', ...;
+building it is collective: every rank constructs its own), faulty (kw: inner=<name or backend>, plan=FaultPlan or
+its fields), paced (kw: inner=..., bandwidth='200Gbps', latency=0). Unknown keyword arguments raise ValueError.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tetriinfer.transfer.paced import PacedLink
 from tetriinfer.transfer.shm import ShmBackend
 from tetriinfer.transfer.tcp import TcpBackend
 
-BACKENDS = ("inproc", "shm", "tcp", "nixl", "faulty", "paced")
+BACKENDS = ("inproc", "shm", "tcp", "nixl", "torchdist", "faulty", "paced")
 
 
 def nixl_available() -> bool:
@@ -49,6 +50,10 @@ def make_backend(name: str, **kw: Any) -> TransferBackend:
             from tetriinfer.transfer.nixl_backend import NixlBackend
 
             return NixlBackend(**kw)
+        if name == "torchdist":
+            from tetriinfer.transfer.torchdist import TorchDistBackend  # imports torch: only when asked for
+
+            return TorchDistBackend(**kw)
         if name == "faulty":
             inner = _inner(kw)
             plan = kw.pop("plan", None) or FaultPlan(**kw)
