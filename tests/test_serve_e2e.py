@@ -17,6 +17,7 @@ MODES = {
                    "--chunk-padding", "full"],
     "tetriinfer-chunkwise": ["--mode", "tetriinfer", "--chunk-size", "32", "--kv-transfer", "chunk"],
     "tetriinfer-shm": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "shm"],
+    "tetriinfer-torchdist": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "torchdist"],
     "distserve": ["--mode", "distserve", "--chunk-size", "64"],
     "colocated": ["--mode", "colocated", "--instances", "2"],
     "sarathi": ["--mode", "sarathi", "--instances", "2", "--chunk-size", "64"],
@@ -106,7 +107,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
     for inst in info["instances"]:
         assert inst["kv_blocks_used"] == 0, inst
     assert info["requests_in_flight"] == 0
-    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "distserve"):
+    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "tetriinfer-torchdist", "distserve"):
         assert info["transfers"]["count"] >= 64
         metrics = httpx.get(f"{server.base_url}/metrics").text
         assert "tetriinfer_kv_transfer_seconds_count" in metrics
@@ -115,7 +116,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
 def test_cluster_endpoint_shape(server):
     info = server.cluster()
     roles = sorted(i["role"] for i in info["instances"])
-    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "distserve"):
+    if server.mode in ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "tetriinfer-torchdist", "distserve"):
         assert roles == ["decode", "prefill"]
     else:
         assert roles == ["colocated", "colocated"]

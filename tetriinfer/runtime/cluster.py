@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +107,7 @@ class ClusterEngineClient:
         self._tasks: list[asyncio.Task] = []
         self._started = False
         self._closing = False
+        self._kv_init_method = ""  # torchdist rendezvous, chosen at start
 
     # ---- EngineClient ----------------------------------------------------------------------
     @property
@@ -128,6 +130,8 @@ class ClusterEngineClient:
         self._pull = self._ctx.socket(zmq.PULL)
         port = self._pull.bind_to_random_port("tcp://127.0.0.1")
         address = f"tcp://127.0.0.1:{port}"
+        if self.config.kv_backend.split(":")[-1] == "torchdist":
+            self._kv_init_method = f"tcp://127.0.0.1:{_free_port()}"
         for index, role in enumerate(self.config.roles()):
             iid = f"{role[0]}{sum(1 for r in self.config.roles()[:index] if r == role)}"
             iid = {"p": "prefill-", "d": "decode-", "c": "instance-"}[iid[0]] + iid[1:]
@@ -166,7 +170,8 @@ class ClusterEngineClient:
             prefill_policy=prefill_policy, prefill_sched_batch=c.prefill_sched_batch, dispatch_policy=dispatch,
             decode_policy=decode_policy, colocated_policy="sarathi" if c.mode == "sarathi" else "vllm",
             max_num_batched_tokens=c.chunk_size if c.mode == "sarathi" else c.max_num_batched_tokens,
-            heavy_decode_tokens=c.heavy_decode_tokens, kv_backend=c.kv_backend, kv_transfer=c.kv_transfer, link_bandwidth=c.link_bandwidth,
+            heavy_decode_tokens=c.heavy_decode_tokens, kv_backend=c.kv_backend, kv_rank=index,
+            kv_world_size=len(c.roles()), kv_init_method=self._kv_init_method, kv_transfer=c.kv_transfer, link_bandwidth=c.link_bandwidth,
             transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
             fault_drop_p=c.fault_drop_p, fault_delay_p=c.fault_delay_p, fault_corrupt_p=c.fault_corrupt_p,
             predictor=predictor, predictor_mode=c.predictor_mode, report_interval_s=c.report_interval_s,
@@ -453,3 +458,10 @@ class ClusterEngineClient:
             "predictor": dict(self.predictor_log),
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
         }
+
+
+def _free_port() -> int:
+    """A loopback TCP port free right now (for the torchdist rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -45,7 +45,11 @@ def make_transfer_backend(spec: InstanceSpec):
     faulty = name.startswith("faulty")
     base = name.split(":", 1)[1] if faulty and ":" in name else ("tcp" if faulty else name)
     config = AgentConfig(timeout_s=spec.transfer_timeout_s)
-    backend = make_backend(base, config=config)
+    if base == "torchdist":  # one rank per instance; construction is collective (all instances start together)
+        backend = make_backend(base, config=config, rank=spec.kv_rank, world_size=spec.kv_world_size,
+                               init_method=spec.kv_init_method)
+    else:
+        backend = make_backend(base, config=config)
     if spec.link_bandwidth:
         backend = PacedLink(backend, bandwidth=spec.link_bandwidth, latency=spec.link_latency_s)
     if faulty:

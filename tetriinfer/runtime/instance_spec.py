@@ -38,6 +38,9 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     heavy_decode_tokens: int = 128
     # transfer
     kv_backend: str = "tcp"
+    kv_rank: int = 0  # torchdist: this instance's rank in the cluster's process group
+    kv_world_size: int = 1
+    kv_init_method: str = ""  # torchdist: tcp://127.0.0.1:PORT chosen by the front end
     kv_transfer: str = "request"  # request (after prefill, the paper) | chunk (block-wise while prefilling)
     link_bandwidth: str | None = None
     link_latency_s: float = 0.0

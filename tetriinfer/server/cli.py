@@ -40,7 +40,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heavy-decode-tokens", type=int, default=128)
     p.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
     p.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
-    p.add_argument("--kv-backend", default="tcp", help="tcp | shm | nixl | faulty[:tcp|shm]")
+    p.add_argument("--kv-backend", default="tcp", help="tcp | shm | torchdist | nixl | faulty[:tcp|shm|torchdist]")
     p.add_argument("--kv-transfer", default="request", choices=["request", "chunk"],
                    help="send KV per request after prefill (paper) or block-wise while later chunks prefill")
     p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
