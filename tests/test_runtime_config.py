@@ -37,13 +37,13 @@ def test_prefill_scheduler_pads_only_when_asked(pad: bool) -> None:
 
 
 def test_cpu_allocator_tuning_is_idempotent_and_can_be_disabled() -> None:
-    from tetriinfer.engine.device import tune_cpu_allocator
+    from tetriinfer.allocator import tune_cpu_allocator
 
     if not sys.platform.startswith("linux"):
         pytest.skip("mallopt tuning applies to glibc Linux only")
     assert tune_cpu_allocator() is True
     assert tune_cpu_allocator() is True
-    code = "from tetriinfer.engine.device import tune_cpu_allocator; print(tune_cpu_allocator())"
+    code = "from tetriinfer.allocator import tune_cpu_allocator; print(tune_cpu_allocator())"
     env = {**os.environ, "TETRIINFER_MALLOC_TUNING": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
