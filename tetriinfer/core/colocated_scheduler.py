@@ -21,12 +21,14 @@ reported in some ``update``'s ``finished`` (also those ``schedule()`` ended with
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tetriinfer.core.chunking import build_chunk
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.local_scheduler import StepUpdate, _segment
 from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
 
@@ -53,14 +55,17 @@ class _ColocatedBase:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: index 0 is the oldest
-        self.requests: dict[str, Request] = {}
+        self._table = RequestTable(kv, forget=self._forget)
         self._step_id = 0
-        self._finished_since_last: list[str] = []
         self._ended_in_schedule: list[Request] = []  # reported by the next ``update``
 
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Unfinished requests by id (read-only, live)."""
+        return self._table.view
+
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self._table.require_new(req.request_id)
         if req.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of request {req.request_id!r} has {req.num_prompt_tokens} tokens; the model's "
@@ -71,37 +76,27 @@ class _ColocatedBase:
                 f"prompt of request {req.request_id!r} ({req.num_prompt_tokens} tokens) cannot fit in the "
                 f"KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
             )
-        self.requests[req.request_id] = req
+        self._table.add(req)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+        return self._table.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and not req.is_finished:
-            self._finish(req, status)
+        self._table.finish(request_id, status)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        assert status.finished
-        req.status = status
-        self.kv.free_request(req.request_id)
+    def _forget(self, req: Request) -> None:
+        """``RequestTable`` hook: take a finishing request out of the queues."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        del self.requests[req.request_id]
-        self._finished_since_last.append(req.request_id)
 
     def _end_in_schedule(self, req: Request) -> None:
-        self._finish(req, RequestStatus.FINISHED_LENGTH)
+        self._table.mark_finished(req, RequestStatus.FINISHED_LENGTH)
         self._ended_in_schedule.append(req)
 
     def _release_partial(self, req: Request) -> bool:
@@ -152,8 +147,7 @@ class _ColocatedBase:
     def _output(
         self, kind: StepKind, segments: list[ScheduledSegment], preempted: list[str] | None = None,
     ) -> SchedulerOutput:
-        finished = tuple(self._finished_since_last)
-        self._finished_since_last.clear()
+        finished = self._table.drain_finished()
         return SchedulerOutput(
             step_id=self._step_id,
             kind=kind if segments else StepKind.IDLE,
@@ -167,7 +161,7 @@ class _ColocatedBase:
         finished: list[Request] = list(self._ended_in_schedule)
         self._ended_in_schedule.clear()
         for seg in output.segments:
-            req = self.requests.get(seg.request_id)
+            req = self._table.get(seg.request_id)
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens = seg.end
@@ -184,7 +178,7 @@ class _ColocatedBase:
             if stop is None and req.num_tokens >= self.config.max_model_len:
                 stop = RequestStatus.FINISHED_LENGTH
             if stop is not None:
-                self._finish(req, stop)
+                self._table.mark_finished(req, stop)
                 finished.append(req)
         return StepUpdate(new_tokens, tuple(finished))
 
@@ -193,7 +187,7 @@ class _ColocatedBase:
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more than max_num_seqs running")
         ids = [r.request_id for r in self.waiting] + [r.request_id for r in self.running]
-        if len(ids) != len(set(ids)) or set(ids) != set(self.requests):
+        if len(ids) != len(set(ids)) or set(ids) != set(self._table):
             raise AssertionError("requests table disagrees with waiting + running")
 
 
@@ -243,7 +237,7 @@ class SarathiScheduler(_ColocatedBase):
                 if not chunk.slices and not self.kv.num_used_blocks:
                     self._end_in_schedule(self.waiting[0])  # can never fit
             for s in chunk.slices:
-                req = self.requests[s.request_id]
+                req = self._table[s.request_id]
                 segments.append(_segment(req, s.start, s.num_tokens, self.kv.block_table(s.request_id)))
             n_prefill = len(chunk.slices)
         if n_prefill and scheduled:

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import DEFAULT_HEAVY_DECODE_TOKENS, InstanceState, LoadReport, Role, is_heavy_decode
 from tetriinfer.core.local_scheduler import _segment
 from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
 
 
@@ -101,14 +103,18 @@ class DecodeScheduler:
         self.reserved: dict[str, Request] = {}  # awaiting KV, in reservation order
         self.running: list[Request] = []  # admission order: index 0 is the oldest
         self.suspended: deque[Request] = deque()  # preempted (recompute or swapped), resume FIFO
-        self.requests: dict[str, Request] = {}
+        self._table = RequestTable(kv, forget=self._forget)
         self._target: dict[str, int] = {}  # reservation target in blocks
         self._swapped: set[str] = set()
         self._step_id = 0
-        self._finished_since_last: list[str] = []
         self._ended_in_schedule: list[Request] = []  # reported by the next ``update``
         self.num_extensions = 0  # reservations grown past their target (mispredictions)
         self.num_preemptions = 0
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Requests held here (reserved, running or suspended) by id (read-only, live)."""
+        return self._table.view
 
     # ---- admission -----------------------------------------------------------------------
     def predicted_output_tokens(self, req: Request) -> int:
@@ -143,8 +149,7 @@ class DecodeScheduler:
         Returns False when the admission policy refuses (try later or elsewhere); raises ValueError if
         the request can never run here (malformed, or its context exceeds the model or the pool)."""
         rid = req.request_id
-        if rid in self.requests:
-            raise ValueError(f"duplicate request id {rid!r}")
+        self._table.require_new(rid)
         if req.is_finished or not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
             raise ValueError(f"request {rid!r} must arrive prefilled (first token sampled, context computed)")
         if req.num_output_tokens >= req.sampling_params.max_tokens:
@@ -180,7 +185,7 @@ class DecodeScheduler:
         self._target[rid] = target
         req.status = RequestStatus.WAITING
         self.reserved[rid] = req
-        self.requests[rid] = req
+        self._table.add(req)
         return True
 
     def on_kv_received(self, request_id: str) -> None:
@@ -198,33 +203,25 @@ class DecodeScheduler:
             raise KeyError(f"request {request_id!r} is not reserved at this decode instance")
         self.kv.free_request(request_id)
         del self._target[request_id]
-        del self.requests[request_id]
+        self._table.remove(request_id)  # leaves unfinished: not reported in finished_request_ids
         return req
 
     def block_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self._table)
 
     # ---- finishing -----------------------------------------------------------------------
     def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+        return self._table.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and not req.is_finished:
-            self._finish(req, status)
+        self._table.finish(request_id, status)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        assert status.finished
+    def _forget(self, req: Request) -> None:
+        """``RequestTable`` hook: take a finishing request out of every queue and drop its target."""
         rid = req.request_id
-        req.status = status
-        self.kv.free_request(rid)
         self.reserved.pop(rid, None)
         if req in self.running:
             self.running.remove(req)
@@ -232,8 +229,6 @@ class DecodeScheduler:
             self.suspended.remove(req)
         self._swapped.discard(rid)
         self._target.pop(rid, None)
-        del self.requests[rid]
-        self._finished_since_last.append(rid)
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -255,7 +250,8 @@ class DecodeScheduler:
                 continue
             victim = self.running[-1]
             if victim is req and len(self.running) == 1 and not self.reserved:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)  # context larger than the whole pool
+                # Alone and still out of memory: its context is larger than the whole pool.
+                self._table.mark_finished(req, RequestStatus.FINISHED_LENGTH)
                 self._ended_in_schedule.append(req)
                 continue
             if victim.request_id in resumed:  # undo this step's resume instead of preempting
@@ -279,8 +275,7 @@ class DecodeScheduler:
             kind = StepKind.DECODE
         else:
             kind = StepKind.PREFILL if n_prefill == len(segments) else StepKind.MIXED
-        finished = tuple(self._finished_since_last)
-        self._finished_since_last.clear()
+        finished = self._table.drain_finished()
         return SchedulerOutput(
             step_id=self._step_id,
             kind=kind,
@@ -301,7 +296,7 @@ class DecodeScheduler:
             rid = req.request_id
             need = self.kv.pool.blocks_for_tokens(req.num_tokens)
             if need > self.kv.num_blocks or req.num_tokens >= self.config.max_model_len:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                self._table.mark_finished(req, RequestStatus.FINISHED_LENGTH)
                 self._ended_in_schedule.append(req)
                 continue
             if need > self.kv.num_free_blocks - self.committed_blocks():
@@ -345,7 +340,7 @@ class DecodeScheduler:
         finished: list[Request] = list(self._ended_in_schedule)
         self._ended_in_schedule.clear()
         for seg in output.segments:
-            req = self.requests.get(seg.request_id)
+            req = self._table.get(seg.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:  # aborted while the step ran
                 continue
             req.num_computed_tokens = seg.end
@@ -358,7 +353,7 @@ class DecodeScheduler:
             if stop is None and req.num_tokens >= self.config.max_model_len:
                 stop = RequestStatus.FINISHED_LENGTH
             if stop is not None:
-                self._finish(req, stop)
+                self._table.mark_finished(req, stop)
                 finished.append(req)
         return DecodeStepUpdate(new_tokens, tuple(finished))
 
@@ -368,7 +363,7 @@ class DecodeScheduler:
         state: InstanceState = InstanceState.ACTIVE,
     ) -> LoadReport:
         heavy = sum(
-            1 for r in self.requests.values() if is_heavy_decode(r.predicted_lower, self.config.heavy_decode_tokens)
+            1 for r in self._table.values() if is_heavy_decode(r.predicted_lower, self.config.heavy_decode_tokens)
         )
         return LoadReport(
             instance_id=instance_id,
@@ -382,7 +377,7 @@ class DecodeScheduler:
             block_size=self.kv.block_size,
             tokens_in_flight=sum(r.num_tokens for r in self.running),
             num_heavy_decodes=heavy,
-            num_light_decodes=len(self.requests) - heavy,
+            num_light_decodes=len(self._table) - heavy,
             utilization=utilization,
         )
 
@@ -391,12 +386,12 @@ class DecodeScheduler:
         ids_run = [r.request_id for r in self.running]
         ids_sus = [r.request_id for r in self.suspended]
         groups = [set(self.reserved), set(ids_run), set(ids_sus)]
-        if sum(len(g) for g in groups) != len(self.requests) or set().union(*groups) != set(self.requests):
+        if sum(len(g) for g in groups) != len(self._table) or set().union(*groups) != set(self._table):
             raise AssertionError("requests table disagrees with reserved + running + suspended")
         if len(self.running) + len(self.reserved) > self.config.max_num_seqs:
             raise AssertionError("more than max_num_seqs requests running or reserved")
         for rid in ids_sus:
             if self.kv.num_blocks_of(rid):
                 raise AssertionError(f"suspended request {rid} holds blocks")
-        if set(self._target) != set(self.requests):
+        if set(self._target) != set(self._table):
             raise AssertionError("reservation targets disagree with the requests table")

@@ -15,11 +15,13 @@ while another request could be preempted instead.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tetriinfer.core.chunking import build_chunk
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
 
@@ -67,14 +69,17 @@ class LocalScheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: index 0 is the oldest
-        self.requests: dict[str, Request] = {}
+        self._table = RequestTable(kv, forget=self._forget)
         self._step_id = 0
-        self._finished_since_last: list[str] = []
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Unfinished requests by id (read-only, live)."""
+        return self._table.view
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self._table.require_new(req.request_id)
         if req.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of request {req.request_id!r} has {req.num_prompt_tokens} tokens; the model's "
@@ -85,35 +90,25 @@ class LocalScheduler:
                 f"prompt of request {req.request_id!r} ({req.num_prompt_tokens} tokens) cannot fit in the "
                 f"KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
             )
-        self.requests[req.request_id] = req
+        self._table.add(req)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+        return self._table.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """Finish a request for a reason found outside the scheduler (e.g. a stop string)."""
-        req = self.requests.get(request_id)
-        if req is not None and not req.is_finished:
-            self._finish(req, status)
+        self._table.finish(request_id, status)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        assert status.finished
-        req.status = status
-        self.kv.free_request(req.request_id)
+    def _forget(self, req: Request) -> None:
+        """``RequestTable`` hook: take a finishing request out of the queues."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        del self.requests[req.request_id]
-        self._finished_since_last.append(req.request_id)
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -122,11 +117,6 @@ class LocalScheduler:
         if out is None:
             out = self._schedule_decode()
         return out
-
-    def _drain_finished(self) -> tuple[str, ...]:
-        ids = tuple(self._finished_since_last)
-        self._finished_since_last.clear()
-        return ids
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
         cfg = self.config
@@ -167,14 +157,14 @@ class LocalScheduler:
             return None
         segments = []
         for s in chunk.slices:
-            req = self.requests[s.request_id]
+            req = self._table[s.request_id]
             segments.append(_segment(req, s.start, s.num_tokens, self.kv.block_table(s.request_id)))
         return SchedulerOutput(
             step_id=self._step_id,
             kind=StepKind.PREFILL,
             segments=tuple(segments),
             num_padding_tokens=chunk.num_padding,
-            finished_request_ids=self._drain_finished(),
+            finished_request_ids=self._table.drain_finished(),
         )
 
     def _schedule_decode(self) -> SchedulerOutput:
@@ -190,7 +180,7 @@ class LocalScheduler:
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 # Alone and still out of memory: the pool is smaller than this request's context.
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                self._table.mark_finished(req, RequestStatus.FINISHED_LENGTH)
                 continue
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -205,7 +195,7 @@ class LocalScheduler:
             kind=kind,
             segments=segments,
             preempted_request_ids=tuple(preempted),
-            finished_request_ids=self._drain_finished(),
+            finished_request_ids=self._table.drain_finished(),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -221,7 +211,7 @@ class LocalScheduler:
         new_tokens: dict[str, int] = {}
         finished: list[Request] = []
         for seg in output.segments:
-            req = self.requests.get(seg.request_id)
+            req = self._table.get(seg.request_id)
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens = seg.end
@@ -238,6 +228,6 @@ class LocalScheduler:
             if stop is None and req.num_tokens >= self.config.max_model_len:
                 stop = RequestStatus.FINISHED_LENGTH
             if stop is not None:
-                self._finish(req, stop)
+                self._table.mark_finished(req, stop)
                 finished.append(req)
         return StepUpdate(new_tokens, tuple(finished))

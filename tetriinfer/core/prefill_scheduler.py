@@ -22,6 +22,7 @@ exactly once (finish, abort or release); a request is never overtaken beyond the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tetriinfer.core.chunking import build_chunk
@@ -30,6 +31,7 @@ from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import _segment
 from tetriinfer.core.prefill_policy import PrefillPolicy, PrefillQueue, parse_prefill_policy
 from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
 
 
@@ -68,17 +70,20 @@ class PrefillScheduler:
         self.kv = kv
         self.queue = PrefillQueue(config.policy, config.prefill_sched_batch)
         self.handed_over: dict[str, Request] = {}
-        self.requests: dict[str, Request] = {}
+        self._table = RequestTable(kv, forget=self._forget)
         self._awaiting_prediction: set[str] = set()
         self._step_id = 0
-        self._finished_since_last: list[str] = []
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Requests held here (queued or handed over) by id (read-only, live)."""
+        return self._table.view
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request whose context ``[0, num_tokens)`` must be prefilled (normally its prompt;
         a re-prefill after a failed transfer may include outputs). It must hold no KV here."""
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self._table.require_new(req.request_id)
         if req.is_finished:
             raise ValueError(f"request {req.request_id!r} is already finished")
         if req.num_computed_tokens != 0:
@@ -94,7 +99,7 @@ class PrefillScheduler:
                 f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
             )
         req.status = RequestStatus.WAITING
-        self.requests[req.request_id] = req
+        self._table.add(req)
         self.queue.push(req)
 
     def set_prediction(self, request_id: str, bucket: int, lower: int, upper: int) -> Request | None:
@@ -102,7 +107,7 @@ class PrefillScheduler:
         made it ready for dispatch (it was prefilled and waiting for its prediction), else None."""
         if lower < 0 or upper < lower:
             raise ValueError(f"prediction bounds must satisfy 0 <= lower <= upper, got [{lower}, {upper}]")
-        req = self.requests.get(request_id)
+        req = self._table.get(request_id)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
         req.predicted_bucket, req.predicted_lower, req.predicted_upper = bucket, lower, upper
@@ -112,7 +117,7 @@ class PrefillScheduler:
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self._table)
 
     @property
     def num_queued(self) -> int:
@@ -128,30 +133,20 @@ class PrefillScheduler:
         if req is None:
             raise KeyError(f"request {request_id!r} is not handed over at this prefill instance")
         self._awaiting_prediction.discard(request_id)
-        del self.requests[request_id]
+        self._table.remove(request_id)  # leaves unfinished: not reported in finished_request_ids
         return self.kv.free_request(request_id)
 
     def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+        return self._table.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and not req.is_finished:
-            self._finish(req, status)
+        self._table.finish(request_id, status)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        assert status.finished
-        req.status = status
-        self.kv.free_request(req.request_id)
+    def _forget(self, req: Request) -> None:
+        """``RequestTable`` hook: take a finishing request out of the queue / ``handed_over``."""
         self.queue.remove(req.request_id)
         self.handed_over.pop(req.request_id, None)
         self._awaiting_prediction.discard(req.request_id)
-        del self.requests[req.request_id]
-        self._finished_since_last.append(req.request_id)
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -170,13 +165,12 @@ class PrefillScheduler:
                     chunk = self._build(order)
                     if chunk.slices:
                         break
-        finished_ids = tuple(self._finished_since_last)
-        self._finished_since_last.clear()
+        finished_ids = self._table.drain_finished()
         if not chunk.slices:
             return SchedulerOutput(self._step_id, StepKind.IDLE, finished_request_ids=finished_ids)
         self.queue.note_served(s.request_id for s in chunk.slices)
         segments = tuple(
-            _segment(self.requests[s.request_id], s.start, s.num_tokens, self.kv.block_table(s.request_id))
+            _segment(self._table[s.request_id], s.start, s.num_tokens, self.kv.block_table(s.request_id))
             for s in chunk.slices
         )
         return SchedulerOutput(
@@ -209,7 +203,7 @@ class PrefillScheduler:
         prefilled: list[Request] = []
         finished: list[Request] = []
         for seg in output.segments:
-            req = self.requests.get(seg.request_id)
+            req = self._table.get(seg.request_id)
             if req is None or req.request_id not in self.queue:  # aborted while the step ran
                 continue
             req.num_computed_tokens = seg.end
@@ -222,7 +216,7 @@ class PrefillScheduler:
             if stop is None and req.num_tokens >= self.config.max_model_len:
                 stop = RequestStatus.FINISHED_LENGTH
             if stop is not None:
-                self._finish(req, stop)
+                self._table.mark_finished(req, stop)
                 finished.append(req)
                 continue
             self.queue.remove(req.request_id)
@@ -258,8 +252,8 @@ class PrefillScheduler:
         queued = {r.request_id for r in self.queue.requests()}
         if queued & set(self.handed_over):
             raise AssertionError("a request is both queued and handed over")
-        if queued | set(self.handed_over) != set(self.requests):
+        if queued | set(self.handed_over) != set(self._table):
             raise AssertionError("requests table disagrees with queue + handed_over")
         for rid in self.kv.request_ids():
-            if rid not in self.requests:
+            if rid not in self._table:
                 raise AssertionError(f"blocks held for unknown request {rid}")

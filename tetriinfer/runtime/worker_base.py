@@ -7,7 +7,7 @@ the engine (model runner + KV tensors), sockets and the transfer backend, which 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,7 @@ class InstanceContext:
             TokenItem(req.request_id, req.num_output_tokens, [], True, FINISH_REASON[req.status], stop)
         )
 
-    def emit_update(self, live: dict[str, Request], new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None:
+    def emit_update(self, live: Mapping[str, Request], new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None:
         """Stream one step's new tokens, then its finished requests. ``live`` is the scheduler's table of
         unfinished requests (requests that finished in this step are found in ``finished``)."""
         ended = {r.request_id: r for r in finished}
