@@ -10,6 +10,8 @@ Everything is measured in the same run (the machine is shared and noisy) and rep
   alloc() (shared-memory arena: the sender copies once, straight into them), allocated per transfer and dropped
   after it, as a decode worker does per request;
 - many small transfers: 64 transfers of 1 MB (8 arrays each) posted at once, receiver in a child process;
+- nixl (only when `import nixl` works): the same KV payload in one process and with a child receiver, and one
+  `mem_bytes` array written by NIXL (UCX) into a child process vs the memcpy of the same size;
 - chunk-wise overlap: N prefill chunks (real torch matmuls) with each chunk's KV sent over a paced link as the
   chunk completes, vs sending everything after prefill; reports the share of transfer time hidden by compute.
 Goals: shm >= 50% of memcpy, tcp >= 70% of raw socket, overlap hides >= 80%.
@@ -35,7 +37,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tetriinfer.transfer import PacedLink, RemoteRegion, TransferState, make_backend  # noqa: E402
+from tetriinfer.transfer import PacedLink, RemoteRegion, TransferState, make_backend, nixl_available  # noqa: E402
 from tetriinfer.transfer.peer_process import child_receiver, child_receiver_batch  # noqa: E402
 
 GB = 1e9
@@ -182,6 +184,14 @@ def bench_small_crossprocess(kind: str, n: int, per_bytes: int, arrays: int, rep
     return n * per_bytes / best / GB
 
 
+def bench_nixl_write_vs_memcpy(nbytes: int = 256 << 20, reps: int = 3) -> tuple[float, float]:
+    """(GB/s of one `nbytes` NIXL write into a child process, sender open -> acknowledged DONE; GB/s of a numpy
+    memcpy of the same size), measured back to back. Needs nixl (see nixl_available())."""
+    src = [np.random.default_rng(4).integers(0, 255, nbytes, dtype=np.uint8)]
+    nixl = bench_backend_crossprocess("nixl", src, reps)
+    return nixl, bench_memcpy(nbytes, reps + 1)
+
+
 def calibrate_matmul(target_s: float) -> tuple[torch.Tensor, int]:
     x = torch.randn(384, 384)
     t0 = time.perf_counter()
@@ -315,6 +325,9 @@ def main() -> int:
     n_small = 16 if args.quick else 64
     steps = ["memcpy", "memcpy payload", "raw socket", "inproc", "shm", "shm arena", "tcp", "shm x-proc",
              "shm arena x-proc", "shm small x-proc", "shm arena small x-proc", "tcp x-proc", "overlap"]
+    has_nixl = nixl_available()
+    if has_nixl:
+        steps[-1:-1] = ["nixl", "nixl x-proc", "nixl big write x-proc"]
     with tqdm(steps, desc="bench_transfer", unit="step") as bar:
         for step in bar:
             bar.set_postfix_str(step)
@@ -325,6 +338,8 @@ def main() -> int:
                 res[step] = bench_memcpy_payload(src, reps + 1)
             elif step == "raw socket":
                 res[step] = bench_raw_socket(kv_bytes, reps + 1)
+            elif step == "nixl big write x-proc":
+                res[step], res["memcpy same size"] = bench_nixl_write_vs_memcpy(mem_bytes, max(2, reps // 3))
             elif "small" in step:
                 res[step] = bench_small_crossprocess(kind, n_small, 1 << 20, 8, reps, arena)
             elif step.endswith("x-proc"):
@@ -372,6 +387,13 @@ def main() -> int:
         f"| tcp backend (one process) | {res['tcp']:.2f} | {goal(res['tcp'] / raw, 0.7)} of raw socket | |",
         f"| tcp backend (receiver in child process) | {res['tcp x-proc']:.2f} | "
         f"{goal(res['tcp x-proc'] / raw, 0.7)} of raw socket | |",
+        *([f"| nixl backend (UCX, one process) | {res['nixl']:.2f} | {res['nixl'] / mem:.0%} of memcpy | "
+           f"{res['nixl'] / pay:.0%} of payload memcpy |",
+           f"| nixl backend (UCX, receiver in child process) | {res['nixl x-proc']:.2f} | "
+           f"{res['nixl x-proc'] / mem:.0%} of memcpy | {res['nixl x-proc'] / pay:.0%} of payload memcpy |",
+           f"| nixl, one {mem_bytes >> 20} MB write into a child process | {res['nixl big write x-proc']:.2f} | "
+           f"{res['nixl big write x-proc'] / res['memcpy same size']:.0%} of a {mem_bytes >> 20} MB memcpy "
+           f"measured right after it ({res['memcpy same size']:.2f} GB/s) | |"] if has_nixl else []),
         "",
         f"Chunk-wise overlap: 10 prefill chunks of {ov['chunk_s'] * 1e3:.0f} ms (torch matmuls, 1 thread), "
         f"{ov['kv_bytes'] / 1e6:.0f} MB of KV over a PacedLink at 2 Gbps (each chunk's KV takes ~0.7x a chunk):",

@@ -23,10 +23,15 @@ from tetriinfer.transfer import (
     TransferRecord,
     TransferState,
     make_backend,
+    nixl_available,
     parse_bandwidth,
     parse_duration,
 )
+from tetriinfer.transfer.nixl_backend import NIXL_IMPORT_ERROR
 from tetriinfer.transfer.staging import leaked_segments
+
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason=f"nixl is not importable ({NIXL_IMPORT_ERROR}); optional: pip install nixl==1.5.1"))
 
 FAST = AgentConfig(timeout_s=0.3, sweep_interval_s=0.005)
 ORDER = {TransferState.PENDING: 0, TransferState.TRANSFERRING: 1, TransferState.DONE: 2, TransferState.FAILED: 2}
@@ -48,7 +53,7 @@ def assert_clean(*backends: TransferBackend) -> None:
         assert (s.records, s.active, s.regions, s.pinned_payloads, s.staging_segments) == (0, 0, 0, 0, 0), s
 
 
-@pytest.fixture(params=["inproc", "shm", "tcp"])
+@pytest.fixture(params=["inproc", "shm", "tcp", NIXL])
 def inner_kind(request: pytest.FixtureRequest) -> str:
     return request.param
 

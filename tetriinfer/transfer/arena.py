@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from tetriinfer.transfer.freelist import FreeList
 from tetriinfer.transfer.messages import ShmRef
 from tetriinfer.transfer.staging import SHM_DIR, _unlink_tag
 
@@ -68,33 +69,18 @@ class _ArenaSegment:
         self.mm = _create_file(name, size)
         self.arr = np.frombuffer(self.mm, dtype=np.uint8)
         self.base = int(self.arr.ctypes.data)
-        self.free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, size), coalesced
+        self.free = FreeList(size)
         self.taints: list[tuple[int, int, float]] = []  # (start, end, quarantine seconds) of failed regions
 
     @property
     def idle(self) -> bool:
-        return self.free == [(0, self.size)]
+        return self.free.idle
 
     def take(self, nbytes: int) -> int | None:
-        for i, (off, size) in enumerate(self.free):
-            if size >= nbytes:
-                if size == nbytes:
-                    del self.free[i]
-                else:
-                    self.free[i] = (off + nbytes, size - nbytes)
-                return off
-        return None
+        return self.free.take(nbytes)
 
     def give(self, off: int, nbytes: int) -> None:
-        i = bisect.bisect_left(self.free, (off, 0))
-        if i < len(self.free) and self.free[i][0] == off + nbytes:  # merge with the next free block
-            nbytes += self.free[i][1]
-            del self.free[i]
-        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == off:  # merge with the previous one
-            off, nbytes = self.free[i - 1][0], self.free[i - 1][1] + nbytes
-            del self.free[i - 1]
-            i -= 1
-        self.free.insert(i, (off, nbytes))
+        self.free.give(off, nbytes)
 
     def destroy(self) -> None:
         self.arr = None  # type: ignore[assignment]
