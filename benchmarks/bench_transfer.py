@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tetriinfer.allocator import tune_cpu_allocator  # noqa: E402
 from tetriinfer.transfer import PacedLink, RemoteRegion, TransferState, make_backend, nixl_available  # noqa: E402
 from tetriinfer.transfer.peer_process import child_receiver, child_receiver_batch  # noqa: E402
 
@@ -313,6 +314,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "transfer.md"))
     args = ap.parse_args()
     torch.set_num_threads(1)  # leave a core to the transfer I/O threads, as a prefill worker pinned to one core
+    tune_cpu_allocator()  # the allocator settings of every instance process (and of the child receivers)
     # torch makes the heap huge: a full GC pass takes ~0.25 s here and would land inside a timed run; freezing
     # the import-time objects (as a serving process should after loading its model) keeps passes short.
     gc.collect()

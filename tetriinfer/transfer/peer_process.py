@@ -6,6 +6,7 @@ RemoteRegion, waits for the transfer to end, puts (state value, per-buffer uint8
 to DONE, reason); this repeats `repeats` times; then it waits for any message on `q_in` before shutting down. Imports only numpy/zmq/msgspec (no torch) to start fast.
 With `use_alloc=True` the buffers come from the backend's `alloc()` (shm: its shared-memory arena, so the sender
 writes them directly), allocated per repeat and dropped after it, as a decode worker does per request.
+The child applies the allocator settings every instance process runs with (`tetriinfer.allocator`).
 
 `child_receiver_batch` posts `batch` transfers at once per repeat (many small requests in flight), puts the list
 of encoded regions, then one (states, per-transfer per-buffer sums, reasons) tuple when all are terminal.
@@ -22,8 +23,10 @@ import numpy as np
 
 def child_receiver(kind: str, transfer_id: str, sizes: list[int], q_in: Any, q_out: Any,
                    limit_s: float = 60.0, repeats: int = 1, use_alloc: bool = False) -> None:
+    from tetriinfer.allocator import tune_cpu_allocator
     from tetriinfer.transfer.factory import make_backend
 
+    tune_cpu_allocator()  # as an instance process (its engine) does
     b = make_backend(kind)
     try:
         for i in range(repeats):
@@ -44,8 +47,10 @@ def _buffers(b: Any, sizes: list[int], use_alloc: bool) -> list[np.ndarray]:
 
 def child_receiver_batch(kind: str, transfer_id: str, sizes: list[int], batch: int, q_in: Any, q_out: Any,
                          limit_s: float = 60.0, repeats: int = 1, use_alloc: bool = False) -> None:
+    from tetriinfer.allocator import tune_cpu_allocator
     from tetriinfer.transfer.factory import make_backend
 
+    tune_cpu_allocator()  # as an instance process (its engine) does
     b = make_backend(kind)
     try:
         for i in range(repeats):
