@@ -47,7 +47,13 @@ from tetriinfer.transfer.base import AgentConfig, Peer, TransferStats
 from tetriinfer.transfer.buffers import Buffer, as_byte_views, plain_alloc
 from tetriinfer.transfer.messages import RemoteRegion, ShmRef
 from tetriinfer.transfer.staging import ShmMapper, ShmStager, _Segment
-from tetriinfer.transfer.state import Role, TransferRecord, TransferState, TransferStatus
+from tetriinfer.transfer.state import (
+    Role,
+    TransferRecord,
+    TransferState,
+    TransferStatus,
+    inbound_reject_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -795,13 +801,9 @@ class ZmqAgent:
             inb = self._in.get(tid)
             region = self._regions.get(region_id)
             if inb is None:
-                reason = ""
-                if region is None:
-                    reason = f"no region {region_id!r} posted at {self._address}"
-                elif region.owner_tid is not None and region.owner_tid != tid:
-                    reason = f"region {region_id!r} belongs to transfer {region.owner_tid!r}"
-                elif tid in self._recs:
-                    reason = f"transfer id {tid!r} is in use at the receiver"
+                reason = inbound_reject_reason(tid, region_id, region is not None,
+                                               region.owner_tid if region is not None else None,
+                                               tid in self._recs, self._address)
                 if reason:
                     self._reply(identity, m.Ack(tid, attempt, False, reason))
                     return None

@@ -90,7 +90,13 @@ from tetriinfer.transfer.nixl_messages import (
     parse_address,
 )
 from tetriinfer.transfer.nixl_pool import ALIGN, Slab
-from tetriinfer.transfer.state import Role, TransferRecord, TransferState, TransferStatus
+from tetriinfer.transfer.state import (
+    Role,
+    TransferRecord,
+    TransferState,
+    TransferStatus,
+    inbound_reject_reason,
+)
 
 try:  # pragma: no cover - depends on the optional package
     import nixl._bindings as _nixl_bindings
@@ -921,13 +927,9 @@ class NixlBackend:
         inb = self._in.get(tid)
         region = self._regions.get(msg.region_id)
         if inb is None:
-            reason = ""
-            if region is None:
-                reason = f"no region {msg.region_id!r} posted at {self.name}"
-            elif region.owner_tid is not None and region.owner_tid != tid:
-                reason = f"region {msg.region_id!r} belongs to transfer {region.owner_tid!r}"
-            elif tid in self._recs:
-                reason = f"transfer id {tid!r} is in use at the receiver"
+            reason = inbound_reject_reason(tid, msg.region_id, region is not None,
+                                           region.owner_tid if region is not None else None,
+                                           tid in self._recs, self.name)
             if reason:
                 self._notify(peer, Grant(tid, msg.attempt, False, reason))
                 return

@@ -126,3 +126,17 @@ class TransferRecord:
             bytes_done=self.bytes_done, bytes_total=self.bytes_total, attempt=self.attempt,
             elapsed_s=end - self.created,
         )
+
+
+def inbound_reject_reason(tid: str, region_id: str, region_found: bool, region_owner: str | None,
+                          tid_in_use: bool, where: str) -> str:
+    """Why a receiver refuses a new inbound transfer `tid` into `region_id` ("" = accept). Shared by every
+    backend so peers read the same reasons: the region must exist, a recv()-posted region (owner set) takes only
+    its own transfer, and a transfer id is used once per receiver."""
+    if not region_found:
+        return f"no region {region_id!r} posted at {where}"
+    if region_owner is not None and region_owner != tid:
+        return f"region {region_id!r} belongs to transfer {region_owner!r}"
+    if tid_in_use:
+        return f"transfer id {tid!r} is in use at the receiver"
+    return ""
