@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import tests.test_transfer as generic
+from tetriinfer.net import free_loopback_port as free_port
 from tetriinfer.transfer import (
     AgentConfig,
     RemoteRegion,
@@ -33,12 +33,6 @@ from tetriinfer.transfer.torchdist import PUSH, TAG_SPACE, TorchDistBackend, Tor
 
 CFG = AgentConfig(timeout_s=5.0)
 FAST = AgentConfig(timeout_s=0.3, sweep_interval_s=0.005)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_ranks(world_size: int = 2, **kw: Any) -> list[TorchDistBackend]:

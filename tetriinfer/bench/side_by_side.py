@@ -36,7 +36,6 @@ import platform
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ import httpx
 
 from tetriinfer.bench.metrics import SLO, RequestRecord, flat_summary
 from tetriinfer.bench.workloads import Workload, WorkloadRequest, load_workload, workload_summary_line
+from tetriinfer.net import free_loopback_port
 
 BASELINE = "colocated"
 DISAGGREGATED_MODES = ("tetriinfer", "distserve")
@@ -440,12 +440,6 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
 # ------------------------------------------------------------------------------------------- servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def cluster_busy(base_url: str) -> dict[str, Any]:
     """``GET /cluster`` of our server."""
     resp = httpx.get(base_url.rstrip("/") + "/cluster", timeout=30)
@@ -473,7 +467,7 @@ def wait_idle(base_url: str, timeout_s: float = 120.0, settle_s: float = 0.35) -
 @contextmanager
 def serve(model: str, mode: str, args: Sequence[str], startup_timeout_s: float) -> Iterator[str]:
     """Start ``tetriinfer serve`` in ``mode`` on a free port; yield its base URL; stop it (SIGINT, then kill)."""
-    port = _free_port()
+    port = free_loopback_port()
     cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", model, "--mode", mode,
            "--port", str(port), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from tetriinfer.core.global_policy import GlobalPolicy, Phase
 from tetriinfer.core.load import LoadReport, Role
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.engine.model_config import ModelConfig
+from tetriinfer.net import free_loopback_port
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.runtime.engine_client import TokenEvent
 from tetriinfer.runtime.instance_spec import InstanceSpec, encode_spec
@@ -131,7 +131,7 @@ class ClusterEngineClient:
         port = self._pull.bind_to_random_port("tcp://127.0.0.1")
         address = f"tcp://127.0.0.1:{port}"
         if self.config.kv_backend.split(":")[-1] == "torchdist":
-            self._kv_init_method = f"tcp://127.0.0.1:{_free_port()}"
+            self._kv_init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
         for index, role in enumerate(self.config.roles()):
             iid = f"{role[0]}{sum(1 for r in self.config.roles()[:index] if r == role)}"
             iid = {"p": "prefill-", "d": "decode-", "c": "instance-"}[iid[0]] + iid[1:]
@@ -459,9 +459,3 @@ class ClusterEngineClient:
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
         }
 
-
-def _free_port() -> int:
-    """A loopback TCP port free right now (for the torchdist rendezvous store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -71,8 +71,7 @@ class ClusterConfig:
                 raise ValueError("disaggregated modes need >= 1 prefill and >= 1 decode instance")
         elif self.instances < 1:
             raise ValueError("colocated modes need >= 1 instance")
-        if self.chunk_padding not in CHUNK_PADDINGS:
-            raise ValueError(f"chunk_padding must be one of {', '.join(CHUNK_PADDINGS)}, got {self.chunk_padding!r}")
+        pads_last_chunk(self.chunk_padding, self.device)  # validates chunk_padding
         if self.cores_per_instance < 1:
             raise ValueError("cores_per_instance must be >= 1")
         if not 0 < self.flip_threshold < 1:

@@ -52,7 +52,10 @@ from tetriinfer.transfer.state import (
     TransferRecord,
     TransferState,
     TransferStatus,
+    append_slots,
     inbound_reject_reason,
+    lookup_record,
+    new_record,
 )
 
 log = logging.getLogger(__name__)
@@ -172,13 +175,7 @@ class ZmqAgent:
             raise RuntimeError("transfer backend is shut down")
 
     def _new_record(self, tid: str, role: Role, timeout_s: float | None) -> TransferRecord:
-        if not isinstance(tid, str) or not tid:
-            raise ValueError("transfer_id must be a non-empty string")
-        if tid in self._recs:
-            raise ValueError(f"transfer id {tid!r} is already in use on this agent (release() it first)")
-        rec = TransferRecord(tid, role, timeout_s or self.config.timeout_s)
-        self._recs[tid] = rec
-        return rec
+        return new_record(self._recs, tid, role, timeout_s, self.config.timeout_s)
 
     def _region_descriptor(self, region: _Region) -> RemoteRegion:
         return RemoteRegion(self._address, region.region_id, [s.nbytes for s in region.slots], backend=self.kind,
@@ -312,14 +309,7 @@ class ZmqAgent:
                 raise ValueError(f"transfer {transfer_id!r} is closed; open a new one")
             if out.rec.state.terminal:
                 return
-            if slots is None:
-                slot_list = list(range(out.next_slot, out.next_slot + len(views)))
-            else:
-                slot_list = [int(s) for s in slots]
-                if len(slot_list) != len(views):
-                    raise ValueError(f"{len(views)} buffers but {len(slot_list)} slots")
-                if any(s < 0 for s in slot_list):
-                    raise ValueError("slots must be >= 0")
+            slot_list = append_slots(out.next_slot, len(views), slots)
             if slot_list:
                 out.next_slot = max(out.next_slot, max(slot_list) + 1)
             out.payloads.append(views)
@@ -396,17 +386,11 @@ class ZmqAgent:
     def poll(self, transfer_id: str) -> TransferState:
         """Current state; never blocks. Raises KeyError for an unknown (or released) id."""
         with self._lock:
-            rec = self._recs.get(transfer_id)
-            if rec is None:
-                raise KeyError(f"unknown transfer {transfer_id!r}")
-            return rec.state
+            return lookup_record(self._recs, transfer_id).state
 
     def status(self, transfer_id: str) -> TransferStatus:
         with self._lock:
-            rec = self._recs.get(transfer_id)
-            if rec is None:
-                raise KeyError(f"unknown transfer {transfer_id!r}")
-            return rec.snapshot()
+            return lookup_record(self._recs, transfer_id).snapshot()
 
     def release(self, transfer_id: str) -> None:
         """Forget a transfer. A live one is cancelled first (FAILED 'cancelled'), waiting for the I/O thread
@@ -675,21 +659,27 @@ class ZmqAgent:
             out.seq += 1
             self._emit(out, seq, direct_s, direct_v, (), inplace=True, last=True)
 
-    def _emit(self, out: _Out, seq: int, slots: list[int], views: list[np.ndarray], frames: Sequence[np.ndarray],
-              *, shm: list[ShmRef] | None = None, consumed: bool = True, inplace: bool = False,
-              last: bool) -> bool:
-        """Send one Data header (+ frames); the last one of a closed transfer carries its Close. False: failed."""
-        nbytes = [v.nbytes for v in views]
+    def _count_sent(self, out: _Out, nbytes: int, last: bool) -> int:
+        """One locked section per Data message: count its bytes as sent and, when it is the last of a closed
+        transfer with nothing else queued, fold the Close in. Returns the Close's slot count, or -1."""
         close_nslots = -1
         now = time.monotonic()
-        with self._lock:  # one section: fold the Close in if nothing else is queued, and count the bytes as sent
+        with self._lock:
             if last and out.closed and out.pending == 0 and not out.close_sent:
                 out.close_sent = True
                 close_nslots = out.next_slot
             out.sent_any = True
             out.rec.start(now)
-            out.rec.bytes_done += sum(nbytes)
+            out.rec.bytes_done += nbytes
             out.rec.touch(now)
+        return close_nslots
+
+    def _emit(self, out: _Out, seq: int, slots: list[int], views: list[np.ndarray], frames: Sequence[np.ndarray],
+              *, shm: list[ShmRef] | None = None, consumed: bool = True, inplace: bool = False,
+              last: bool) -> bool:
+        """Send one Data header (+ frames); the last one of a closed transfer carries its Close. False: failed."""
+        nbytes = [v.nbytes for v in views]
+        close_nslots = self._count_sent(out, sum(nbytes), last)
         msg = m.Data(out.rec.transfer_id, out.region_id, out.rec.attempt, out.final, seq, slots, nbytes, shm,
                      consumed, inplace, close_nslots)
         try:

@@ -35,7 +35,7 @@ import numpy as np
 
 from tetriinfer.transfer.freelist import FreeList
 from tetriinfer.transfer.messages import ShmRef
-from tetriinfer.transfer.staging import SHM_DIR, _unlink_tag
+from tetriinfer.transfer.staging import SHM_DIR, _unlink_tag, close_and_unlink
 
 ALIGN = 4096  # allocations start on page boundaries (any dtype is aligned; copies stay page-granular)
 PIECE_BYTES = 4 << 20  # a direct-writing sender re-checks the fence at least this often
@@ -84,14 +84,7 @@ class _ArenaSegment:
 
     def destroy(self) -> None:
         self.arr = None  # type: ignore[assignment]
-        try:
-            self.mm.close()
-        except BufferError:  # a user still holds a view: the mapping lives on until it is dropped
-            pass
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        close_and_unlink(self.mm, self.name)
 
 
 class ShmArena:

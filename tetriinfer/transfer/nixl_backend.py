@@ -95,7 +95,10 @@ from tetriinfer.transfer.state import (
     TransferRecord,
     TransferState,
     TransferStatus,
+    append_slots,
     inbound_reject_reason,
+    lookup_record,
+    new_record,
 )
 
 try:  # pragma: no cover - depends on the optional package
@@ -306,13 +309,7 @@ class NixlBackend:
         return [self.alloc(s, dtype) for s in shapes]
 
     def _new_record(self, tid: str, role: Role, timeout_s: float | None) -> TransferRecord:
-        if not isinstance(tid, str) or not tid:
-            raise ValueError("transfer_id must be a non-empty string")
-        if tid in self._recs:
-            raise ValueError(f"transfer id {tid!r} is already in use on this agent (release() it first)")
-        rec = TransferRecord(tid, role, timeout_s or self.config.timeout_s)
-        self._recs[tid] = rec
-        return rec
+        return new_record(self._recs, tid, role, timeout_s, self.config.timeout_s)
 
     def _make_region(self, region_id: str, views: list[np.ndarray], owner_tid: str | None) -> RemoteRegion:
         if region_id in self._regions:
@@ -426,14 +423,7 @@ class NixlBackend:
                 raise KeyError(f"no open sending transfer {transfer_id!r}")
             if out.closed:
                 raise ValueError(f"transfer {transfer_id!r} is closed; open a new one")
-            if slots is None:
-                slot_list = list(range(out.next_slot, out.next_slot + len(views)))
-            else:
-                slot_list = [int(s) for s in slots]
-                if len(slot_list) != len(views):
-                    raise ValueError(f"{len(views)} buffers but {len(slot_list)} slots")
-                if any(s < 0 for s in slot_list):
-                    raise ValueError("slots must be >= 0")
+            slot_list = append_slots(out.next_slot, len(views), slots)
             if out.rec.state.terminal:
                 return
             if slot_list:
@@ -512,17 +502,11 @@ class NixlBackend:
     def poll(self, transfer_id: str) -> TransferState:
         """Current state; never waits for the peer. Raises KeyError for an unknown (or released) id."""
         with self._lock:
-            rec = self._recs.get(transfer_id)
-            if rec is None:
-                raise KeyError(f"unknown transfer {transfer_id!r}")
-            return rec.state
+            return lookup_record(self._recs, transfer_id).state
 
     def status(self, transfer_id: str) -> TransferStatus:
         with self._lock:
-            rec = self._recs.get(transfer_id)
-            if rec is None:
-                raise KeyError(f"unknown transfer {transfer_id!r}")
-            return rec.snapshot()
+            return lookup_record(self._recs, transfer_id).snapshot()
 
     def release(self, transfer_id: str) -> None:
         """Forget a transfer; a live one is cancelled first (FAILED 'cancelled by caller', peer told)."""

@@ -33,6 +33,19 @@ def _size_class(nbytes: int) -> int:
     return size
 
 
+def close_and_unlink(mm: mmap.mmap, name: str) -> None:
+    """Unmap a /dev/shm segment (if no view still holds it: the mapping then lives until the last view goes)
+    and remove its file (already gone is fine)."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
 class _Segment:
     __slots__ = ("name", "size", "mm", "arr")
 
@@ -53,14 +66,7 @@ class _Segment:
 
     def destroy(self) -> None:
         self.arr = None  # type: ignore[assignment]
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with it
-            pass
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        close_and_unlink(self.mm, self.name)
 
 
 class ShmStager:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -140,3 +141,35 @@ def inbound_reject_reason(tid: str, region_id: str, region_found: bool, region_o
     if tid_in_use:
         return f"transfer id {tid!r} is in use at the receiver"
     return ""
+
+
+def new_record(recs: dict[str, TransferRecord], tid: str, role: Role, timeout_s: float | None,
+               default_timeout_s: float) -> TransferRecord:
+    """Create and register the record of a new transfer id (every backend: ids are non-empty and used once)."""
+    if not isinstance(tid, str) or not tid:
+        raise ValueError("transfer_id must be a non-empty string")
+    if tid in recs:
+        raise ValueError(f"transfer id {tid!r} is already in use on this agent (release() it first)")
+    rec = TransferRecord(tid, role, timeout_s or default_timeout_s)
+    recs[tid] = rec
+    return rec
+
+
+def lookup_record(recs: dict[str, TransferRecord], tid: str) -> TransferRecord:
+    """The record of ``tid``; KeyError for an unknown (or released) id."""
+    rec = recs.get(tid)
+    if rec is None:
+        raise KeyError(f"unknown transfer {tid!r}")
+    return rec
+
+
+def append_slots(next_slot: int, num_buffers: int, slots: Sequence[int] | None) -> list[int]:
+    """Slots an append fills: the next ``num_buffers`` after ``next_slot`` by default, else ``slots`` (checked)."""
+    if slots is None:
+        return list(range(next_slot, next_slot + num_buffers))
+    slot_list = [int(s) for s in slots]
+    if len(slot_list) != num_buffers:
+        raise ValueError(f"{num_buffers} buffers but {len(slot_list)} slots")
+    if any(s < 0 for s in slot_list):
+        raise ValueError("slots must be >= 0")
+    return slot_list

@@ -407,16 +407,7 @@ class TorchDistBackend(ZmqAgent):
         dst = parse_address(out.address)[0]
         tag = self._take_tags(dst, len(views))
         nbytes = [v.nbytes for v in views]
-        close_nslots = -1
-        now = time.monotonic()
-        with self._lock:
-            if last and out.closed and out.pending == 0 and not out.close_sent:
-                out.close_sent = True
-                close_nslots = out.next_slot
-            out.sent_any = True
-            out.rec.start(now)
-            out.rec.bytes_done += sum(nbytes)
-            out.rec.touch(now)
+        close_nslots = self._count_sent(out, sum(nbytes), last)
         msg = m.Data(tid, out.region_id, out.rec.attempt, out.final, tag, slots, nbytes,
                      close_nslots=close_nslots)
         try:
