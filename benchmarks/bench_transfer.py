@@ -2,7 +2,7 @@
 
 Everything is measured in the same run (the machine is shared and noisy) and reported as ratios:
 - memcpy GB/s (numpy copy of 256 MB into a pre-touched buffer) and raw loopback TCP GB/s (plain sockets,
-  sendall/recv_into, two threads);
+  sendall/recv_into; two threads of one process, and into a child process), interleaved with the tcp rows;
 - each backend's GB/s for a KV-sized payload (64 MB in 16 arrays), sender open -> sender DONE (acknowledged),
   in one process and, for shm/tcp, with the receiver in a child process (as the runtime runs: the decode worker
   posts recv(), the prefill worker sends);
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tetriinfer.allocator import tune_cpu_allocator  # noqa: E402
 from tetriinfer.transfer import PacedLink, RemoteRegion, TransferState, make_backend, nixl_available  # noqa: E402
-from tetriinfer.transfer.peer_process import child_receiver, child_receiver_batch  # noqa: E402
+from tetriinfer.transfer.peer_process import child_receiver, child_receiver_batch, raw_socket_receiver  # noqa: E402
 
 GB = 1e9
 
@@ -92,6 +92,37 @@ def bench_raw_socket(nbytes: int, reps: int) -> float:
     assert np.array_equal(payload, sink)
     for s in (cli, conn, srv):
         s.close()
+    return nbytes / best / GB
+
+
+def bench_raw_socket_crossprocess(nbytes: int, reps: int) -> float:
+    """Raw loopback TCP into another process (as the tcp backend runs): sendall here, recv_into in a spawned child
+    (one pre-touched buffer), timed until the child's one-byte answer."""
+    payload = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    proc = mp.get_context("spawn").Process(target=raw_socket_receiver,
+                                           args=(srv.getsockname()[1], nbytes, reps + 1), daemon=True)
+    proc.start()
+    best = float("inf")
+    try:
+        srv.settimeout(60)
+        conn, _ = srv.accept()
+        conn.settimeout(60)
+        for r in range(reps + 1):  # the first run faults in the child's pages
+            t0 = time.perf_counter()
+            conn.sendall(memoryview(payload))
+            if conn.recv(1) != b"k":
+                raise ConnectionError("raw socket receiver failed")
+            if r:
+                best = min(best, time.perf_counter() - t0)
+        conn.close()
+        proc.join(timeout=30)
+    finally:
+        srv.close()
+        if proc.is_alive():
+            proc.kill()
     return nbytes / best / GB
 
 
@@ -286,10 +317,16 @@ NOTES = """## How the shm backend moves bytes, and reading these numbers
   stores). The original 256 MB baseline is in that fast regime; a KV transfer (16 arrays of 4 MB, or 1 MB
   requests) never is, so "payload memcpy" (copying the same arrays once) is the ceiling a one-copy path can reach.
   The goal is judged against the stricter 256 MB baseline.
-- **tcp in one process:** both agents share one process, so one GIL and the single zmq I/O thread of
-  `zmq.Context.instance()`, which then does both the sending and the receiving socket work; across processes each
-  side has its own. On this shared 2-core machine the one-process ratio swings widely between runs (40% to over
-  100% of the raw socket in our runs); the cross-process case is the deployment case.
+- **How the tcp backend moves bytes:** control headers (Data/Close/Ack) go over ZeroMQ; payloads go over one raw
+  TCP connection per (sender, receiver) pair as frames (16-byte tag+size header, then the bytes), written by a
+  sender thread with `sendall` and received by the receiver's reader thread with `recv_into` straight into the
+  posted buffer (checked live before every 4 MB piece). So a payload is copied once, by the kernel, exactly as in
+  the raw-socket baselines; ZeroMQ frames (the previous design, 51-82% of the raw socket over repeated runs) cost a
+  second copy and an allocation per message.
+- **Two raw-socket baselines, interleaved:** each tcp row is judged against the raw socket of the same shape (two
+  threads of one process; or a child process receiving), and the four are measured in alternating rounds, best of
+  all rounds, because single runs on this shared 2-core machine vary by up to 2x (e.g. the raw socket alone:
+  1.8-3.2 GB/s across back-to-back runs).
 - **Noise:** the machine is shared (load average 3-6 on 2 cores while these ran), so absolute GB/s vary by 2x
   between runs; compare ratios from one run. A full GC pass with torch imported takes ~0.25 s; the benchmark
   `gc.freeze()`s after imports so such a pass does not land inside a timed run.
@@ -306,6 +343,9 @@ def bench_memcpy_payload(src: list[np.ndarray], reps: int) -> float:
             np.copyto(d, x)
         best = min(best, time.perf_counter() - t0)
     return sum(x.nbytes for x in src) / best / GB
+
+
+TCP_ROUNDS = 3
 
 
 def main() -> int:
@@ -325,8 +365,12 @@ def main() -> int:
     src = kv_arrays(kv_bytes, 16)
     res: dict[str, float] = {}
     n_small = 16 if args.quick else 64
-    steps = ["memcpy", "memcpy payload", "raw socket", "inproc", "shm", "shm arena", "tcp", "shm x-proc",
-             "shm arena x-proc", "shm small x-proc", "shm arena small x-proc", "tcp x-proc", "overlap"]
+    # The tcp rows and both raw-socket baselines are measured in interleaved rounds (best of all rounds), so a
+    # noisy spell on this shared machine cannot land on one side of a ratio only.
+    tcp_block = ["raw socket", "raw socket x-proc", "tcp", "tcp x-proc"]
+    steps = ["memcpy", "memcpy payload", "inproc", "shm", "shm arena", "shm x-proc", "shm arena x-proc",
+             "shm small x-proc", "shm arena small x-proc", *tcp_block * (1 if args.quick else TCP_ROUNDS),
+             "overlap"]
     has_nixl = nixl_available()
     if has_nixl:
         steps[-1:-1] = ["nixl", "nixl x-proc", "nixl big write x-proc"]
@@ -339,7 +383,12 @@ def main() -> int:
             elif step == "memcpy payload":
                 res[step] = bench_memcpy_payload(src, reps + 1)
             elif step == "raw socket":
-                res[step] = bench_raw_socket(kv_bytes, reps + 1)
+                res[step] = max(res.get(step, 0.0), bench_raw_socket(kv_bytes, reps + 1))
+            elif step == "raw socket x-proc":
+                res[step] = max(res.get(step, 0.0), bench_raw_socket_crossprocess(kv_bytes, reps))
+            elif step in ("tcp", "tcp x-proc"):
+                bench = bench_backend_crossprocess if step.endswith("x-proc") else bench_backend_inprocess
+                res[step] = max(res.get(step, 0.0), bench(kind, src, reps))
             elif step == "nixl big write x-proc":
                 res[step], res["memcpy same size"] = bench_nixl_write_vs_memcpy(mem_bytes, max(2, reps // 3))
             elif "small" in step:
@@ -350,7 +399,7 @@ def main() -> int:
                 res[step] = bench_backend_inprocess(kind, src, reps, arena)
             else:
                 ov = bench_overlap(n_chunks=10, chunk_s=0.03, link="2Gbps", kv_ratio=0.7)
-    mem, pay, raw = res["memcpy"], res["memcpy payload"], res["raw socket"]
+    mem, pay, raw, raw_x = res["memcpy"], res["memcpy payload"], res["raw socket"], res["raw socket x-proc"]
 
     def goal(v: float, g: float) -> str:
         return f"{v:.0%} ({'meets' if v >= g else 'below'} goal {g:.0%})"
@@ -377,7 +426,8 @@ def main() -> int:
         f"| memcpy (numpy copy, {mem_bytes >> 20} MB) | {mem:.2f} | baseline | |",
         f"| payload memcpy (numpy copy of the 16 payload arrays) | {pay:.2f} | {pay / mem:.0%} of memcpy | "
         "baseline |",
-        f"| raw loopback TCP (sendall/recv_into) | {raw:.2f} | baseline | |",
+        f"| raw loopback TCP, two threads of one process (sendall/recv_into) | {raw:.2f} | baseline | |",
+        f"| raw loopback TCP into a child process (sendall/recv_into) | {raw_x:.2f} | baseline (x-proc) | |",
         f"| inproc backend | {res['inproc']:.2f} | {res['inproc'] / mem:.0%} of memcpy | "
         f"{res['inproc'] / pay:.0%} of payload memcpy |",
         shm_row("shm, ordinary buffers, one process (staging: 2 copies)", "shm", False),
@@ -386,9 +436,11 @@ def main() -> int:
         shm_row("shm, arena buffers, child receiver (1 copy)", "shm arena x-proc", True),
         shm_row(f"shm, {n_small} x 1 MB in flight, ordinary buffers, child receiver", "shm small x-proc", False),
         shm_row(f"shm, {n_small} x 1 MB in flight, arena buffers, child receiver", "shm arena small x-proc", True),
-        f"| tcp backend (one process) | {res['tcp']:.2f} | {goal(res['tcp'] / raw, 0.7)} of raw socket | |",
-        f"| tcp backend (receiver in child process) | {res['tcp x-proc']:.2f} | "
-        f"{goal(res['tcp x-proc'] / raw, 0.7)} of raw socket | |",
+        f"| **tcp backend (one process)** | {res['tcp']:.2f} | **{goal(res['tcp'] / raw, 0.7)}** of the raw "
+        "socket in one process | |",
+        f"| **tcp backend (receiver in child process)** | {res['tcp x-proc']:.2f} | "
+        f"**{goal(res['tcp x-proc'] / raw_x, 0.7)}** of the raw socket into a child process "
+        f"({res['tcp x-proc'] / raw:.0%} of the one-process raw socket) | |",
         *([f"| nixl backend (UCX, one process) | {res['nixl']:.2f} | {res['nixl'] / mem:.0%} of memcpy | "
            f"{res['nixl'] / pay:.0%} of payload memcpy |",
            f"| nixl backend (UCX, receiver in child process) | {res['nixl x-proc']:.2f} | "

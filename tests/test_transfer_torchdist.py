@@ -29,7 +29,8 @@ from tetriinfer.transfer import (
     TransferState,
     make_backend,
 )
-from tetriinfer.transfer.torchdist import PUSH, TAG_SPACE, TorchDistBackend, TorchDistOptions, parse_address
+from tetriinfer.transfer.sidechannel import PUSH, TAG_SPACE
+from tetriinfer.transfer.torchdist import TorchDistBackend, TorchDistOptions, parse_address
 
 CFG = AgentConfig(timeout_s=5.0)
 FAST = AgentConfig(timeout_s=0.3, sweep_interval_s=0.005)

@@ -91,3 +91,21 @@ def _receive_once(b: Any, transfer_id: str, sizes: list[int], q_out: Any, limit_
     sums = [int(d.sum(dtype=np.uint64)) for d in dst]
     q_out.put((st.state.value, sums, end - (first or end), st.reason))
     b.release(transfer_id)
+
+
+def raw_socket_receiver(port: int, nbytes: int, repeats: int) -> None:
+    """The raw-socket baseline's other process: connect to 127.0.0.1:`port`, then `repeats` times recv_into one
+    pre-touched buffer of `nbytes` and answer one byte."""
+    import socket
+
+    sink = np.ones(nbytes, np.uint8)
+    view = memoryview(sink)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(repeats):
+            got = 0
+            while got < nbytes:
+                k = sock.recv_into(view[got:], nbytes - got)
+                if k == 0:
+                    raise ConnectionError("sender closed early")
+                got += k
+            sock.sendall(b"k")
