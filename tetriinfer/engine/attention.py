@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tetriinfer.engine.models.layers import cpu_has_native
+from tetriinfer.engine.cpu_info import cpu_has_native
 
 
 @dataclass

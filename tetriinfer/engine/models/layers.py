@@ -2,61 +2,42 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tetriinfer.engine.cpu_info import cpu_has_native
+from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv_bf16, gemv_bf16_available
+
 # Below this many rows a reduced-precision matmul stays native: it is memory-bound (decode), and reading
 # the weights once in bf16 beats converting them to fp32 first.
 UPCAST_MIN_ROWS = 16
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.cache
-def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether this CPU has matmul instructions for ``dtype`` (fp32 always; bf16 / fp16 need AVX-512 or
-    AMX extensions). Unknown CPUs (no /proc/cpuinfo) count as native, so nothing changes there."""
-    flags = _cpu_flags()
-    if dtype == torch.float32 or not flags:
-        return True
-    if dtype == torch.bfloat16:
-        return bool(flags & {"avx512_bf16", "amx_bf16"})
-    if dtype == torch.float16:
-        return bool(flags & {"avx512_fp16", "amx_fp16"})
-    return True
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) that computes bf16 / fp16 matmuls of >= UPCAST_MIN_ROWS
-    rows in fp32 on CPUs without native instructions for them (AVX2: torch's bf16 GEMM runs ~5x slower
-    than fp32 there). Same arithmetic as a native reduced-precision GEMM (products and sums in fp32,
-    output rounded to the model dtype); only the summation order differs. fp32 and CUDA are untouched."""
+    """``nn.Linear`` (same parameters and names) that, on CPUs without native bf16 / fp16 instructions, computes
+    reduced-precision matmuls of >= UPCAST_MIN_ROWS rows in fp32 (AVX2: torch's bf16 GEMM runs ~5x slower than
+    fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
+    `tetriinfer.engine.cpu_kernels` when it is available and the engine runs one torch thread. Same arithmetic as
+    a native reduced-precision GEMM (products and sums in fp32, output rounded to the model dtype); only the
+    summation order differs. fp32 and CUDA are untouched."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if (
-            x.dtype != torch.float32
-            and x.device.type == "cpu"
-            and x.dim() == 2
-            and x.shape[0] >= UPCAST_MIN_ROWS
-            and not cpu_has_native(x.dtype)
-        ):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if x.dtype != torch.float32 and x.device.type == "cpu" and x.dim() == 2 and not cpu_has_native(x.dtype):
+            if x.shape[0] >= UPCAST_MIN_ROWS:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+            if use_gemv_bf16(x, self.weight):
+                return gemv_bf16(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def use_gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a few-row bf16 matmul of `x` [T, in] by `weight` [out, in] goes to the native AVX2 kernel."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous()
+            and not torch.is_grad_enabled() and torch.get_num_threads() == 1 and gemv_bf16_available())
 
 
 class RMSNorm(nn.Module):

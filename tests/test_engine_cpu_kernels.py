@@ -1,0 +1,98 @@
+"""The native bf16 decode matmul (`tetriinfer.engine.cpu_kernels`): numerics against an fp32 reference, shapes
+that exercise every remainder path, its use by `Linear`, and the fallbacks when it is off or cannot build."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tetriinfer.engine import cpu_kernels
+from tetriinfer.engine.cpu_info import cpu_flags, cpu_has_native
+from tetriinfer.engine.models.layers import Linear, use_gemv_bf16
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.gemv_bf16_available(),
+                                  reason="no AVX2/FMA CPU or no C compiler: the kernel is not built here")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ w.float().T
+    if b is not None:
+        y = y + b.float()
+    return y.to(torch.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 15), (1, 33, 16), (2, 5, 17), (3, 64, 100),
+                                           (4, 9, 48), (5, 130, 768), (15, 257, 96), (64, 3, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_bf16_matches_fp32_reference(m: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = cpu_kernels.gemv_bf16(x, w, b)
+    want = reference(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # same products in fp32, different summation order: at most one bf16 rounding step apart
+    ulp = want.float().abs().clamp_min(1e-3) * 2.0**-7
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+
+
+@needs_kernel
+def test_gemv_bf16_is_exact_on_representable_sums_and_rounds_to_nearest_even() -> None:
+    x = torch.tensor([[1.0, 2.0, -3.0, 0.5]]).bfloat16()
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [256.0, 1.0, 0.0, 0.0]]).bfloat16()
+    got = cpu_kernels.gemv_bf16(x, w, None)
+    assert got.tolist() == [[0.5, 0.0, 258.0]]
+    # 256 + 1.5 = 257.5 is not a bf16 (neighbours 256, 258): rounded exactly as torch rounds the fp32 sum
+    x2 = torch.tensor([[1.0, 1.5]]).bfloat16()
+    w2 = torch.tensor([[256.0, 1.0]]).bfloat16()
+    assert cpu_kernels.gemv_bf16(x2, w2, None).item() == torch.tensor(257.5).bfloat16().item()
+
+
+@needs_kernel
+def test_gemv_bf16_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="gemv_bf16"):
+        cpu_kernels.gemv_bf16(torch.zeros(1, 4).bfloat16(), torch.zeros(3, 5).bfloat16(), None)
+    with pytest.raises(ValueError, match="gemv_bf16"):
+        cpu_kernels.gemv_bf16(torch.zeros(1, 4).bfloat16(), torch.zeros(3, 4).bfloat16(), torch.zeros(2).bfloat16())
+
+
+@needs_kernel
+def test_linear_uses_the_kernel_for_few_bf16_rows_only() -> None:
+    if cpu_has_native(torch.bfloat16):
+        pytest.skip("this CPU has native bf16 matmuls: torch's kernels are used")
+    lin = Linear(48, 20, bias=True).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(3, 48).bfloat16()
+            assert use_gemv_bf16(x, lin.weight)
+            got = lin(x)
+            ulp = reference(x, lin.weight, lin.bias).float().abs().clamp_min(1e-3) * 2.0**-7
+            assert bool(((got.float() - reference(x, lin.weight, lin.bias).float()).abs() <= ulp).all())
+            assert not use_gemv_bf16(x.float(), lin.weight.float())  # fp32: torch
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            assert not use_gemv_bf16(x, lin.weight)  # several threads: torch's parallel kernels
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(tmp_path: Path) -> None:
+    code = ("from tetriinfer.engine import cpu_kernels as c; import sys; "
+            "sys.exit(0 if not c.gemv_bf16_available() else 1)")
+    for env in ({"TETRIINFER_CPU_KERNELS": "0"}, {"CC": "/nonexistent/cc", "PATH": "/nonexistent"}):
+        env = {**env, "HOME": str(tmp_path), "TETRIINFER_CACHE": str(tmp_path / "cache"),
+               "PYTHONPATH": ":".join(sys.path)}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (env, done.stderr[-2000:])
+
+
+def test_kernel_needs_avx2_and_fma() -> None:
+    assert cpu_kernels.gemv_bf16_available() is False or {"avx2", "fma"} <= cpu_flags()

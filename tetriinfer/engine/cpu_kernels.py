@@ -1,0 +1,109 @@
+"""Native CPU kernels for what torch does slowly on CPUs without bf16 instructions (AVX2 only).
+
+`gemv_bf16(x, weight, bias)`: the few-row (decode) bf16 linear layer, y = x @ weight.T + bias, products and sums in
+fp32, output rounded to bf16 (source: `csrc/gemv_bf16.c`). torch's bf16 GEMV reads ~6 GB/s on such a CPU; this
+kernel streams the weights once at close to the memory bandwidth.
+
+The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
+into `<cache>/kernels/` (once per source version) and loaded with ctypes -- no torch headers, no build step at install. Every failure (no
+compiler, no AVX2/FMA, a compile error) leaves `gemv_bf16_available()` False and callers keep torch's path.
+`TETRIINFER_CPU_KERNELS=0` turns the kernels off.
+
+Invariants: the kernel only reads its inputs and writes a fresh output tensor; it runs with the GIL released
+(ctypes), single-threaded, so it is used only where the engine runs one torch thread (the CPU serving layout).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tetriinfer.engine.cpu_info import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv_bf16.c"
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c11"]
+MAX_ROWS = 64  # the kernel's x stays in cache up to here; callers use it for far fewer rows
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def _library_path() -> Path:
+    from tetriinfer.engine.make_model import cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"gemv_bf16-{digest}.so"
+
+
+def _build(cc: str, lib: Path) -> None:
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".gemv_bf16-", suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, lib)  # atomic: concurrent first uses (one per instance process) never see half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _load() -> Callable[..., int] | None:
+    if os.environ.get("TETRIINFER_CPU_KERNELS", "1") == "0":
+        return None
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None
+    try:
+        lib = _library_path()
+        if not lib.exists():  # built once per source version; a cached build needs no compiler
+            cc = _compiler()
+            if cc is None:
+                log.info("no C compiler found: bf16 decode matmuls use torch's kernels")
+                return None
+            _build(cc, lib)
+        fn = ctypes.CDLL(str(lib)).tetri_gemv_bf16
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("bf16 CPU kernel unavailable (%s %s): torch's kernels are used", e,
+                    detail.decode(errors="replace")[:500])
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def gemv_bf16_available() -> bool:
+    return _load() is not None
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[M, K] bf16 @ [N, K].T bf16 (+ [N] bf16) -> [M, N] bf16 on CPU; M <= MAX_ROWS. Call only when
+    `gemv_bf16_available()`; inputs must be contiguous CPU bf16 tensors."""
+    fn = _load()
+    assert fn is not None
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)) or m > MAX_ROWS:
+        raise ValueError(f"gemv_bf16: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)}")
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    rc = fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    if rc != 0:
+        raise MemoryError("gemv_bf16: out of memory for its scratch buffer")
+    return y
