@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tetriinfer.engine.cpu_info import cpu_has_native
+from tetriinfer.engine.cpu_kernels import decode_attn_bf16, gemv_bf16_available
 
 
 @dataclass
@@ -39,6 +40,7 @@ class DecodeGroupMeta:
     row_start: int | None  # rows are exactly [row_start, row_start + B): read/write with a slice
     slots: torch.Tensor  # [B, L] slots of each context, padded with the request's position-0 slot
     mask: torch.Tensor | None  # [B, 1, 1, L] bool validity; None when every context has length L
+    lengths: torch.Tensor | None = None  # [B] int64 context lengths (row b's valid slots are slots[b, :len])
 
 
 @dataclass
@@ -63,6 +65,11 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
+def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu" and k_cache.is_contiguous()
+            and not cpu_has_native(torch.bfloat16) and torch.get_num_threads() == 1 and gemv_bf16_available())
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -76,8 +83,17 @@ def paged_attention(
         k_cache.index_copy_(0, meta.slot_mapping, k[:n])
         v_cache.index_copy_(0, meta.slot_mapping, v[:n])
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
+    native_decode = _use_decode_kernel(q, k_cache)
     for g in meta.decode_groups:
         b, length = g.slots.shape
+        if native_decode and g.lengths is not None:  # bf16 on an AVX2 CPU: K/V read in place by the C kernel
+            if g.row_start is not None:
+                rows = slice(g.row_start, g.row_start + b)
+                out[rows] = decode_attn_bf16(q[rows].contiguous(), k_cache, v_cache, g.slots, g.lengths)
+            else:
+                qd = q.index_select(0, g.rows)  # [B, H, D]
+                out.index_copy_(0, g.rows, decode_attn_bf16(qd, k_cache, v_cache, g.slots, g.lengths))
+            continue
         flat = g.slots.view(-1)
         kc = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vc = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)

@@ -1,8 +1,11 @@
 """Native CPU kernels for what torch does slowly on CPUs without bf16 instructions (AVX2 only).
 
 `gemv_bf16(x, weight, bias)`: the few-row (decode) bf16 linear layer, y = x @ weight.T + bias, products and sums in
-fp32, output rounded to bf16 (source: `csrc/gemv_bf16.c`). torch's bf16 GEMV reads ~6 GB/s on such a CPU; this
-kernel streams the weights once at close to the memory bandwidth.
+fp32, output rounded to bf16. torch's bf16 GEMV reads ~6 GB/s on such a CPU; this kernel streams the weights once
+at close to the memory bandwidth.
+`decode_attn_bf16(q, k_cache, v_cache, slots, lengths)`: decode attention over the paged bf16 KV cache, reading K/V
+in place (torch needs a gather, two fp32 copies and small batched matmuls: ~250 us per layer at batch 1).
+Source: `csrc/bf16_kernels.c`.
 
 The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
 into `<cache>/kernels/` (once per source version) and loaded with ctypes -- no torch headers, no build step at install. Every failure (no
@@ -23,7 +26,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,8 +34,9 @@ from tetriinfer.engine.cpu_info import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv_bf16.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_kernels.c"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c11"]
+LIBS = ["-lm"]
 MAX_ROWS = 64  # the kernel's x stays in cache up to here; callers use it for far fewer rows
 
 
@@ -48,15 +51,15 @@ def _library_path() -> Path:
     from tetriinfer.engine.make_model import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"gemv_bf16-{digest}.so"
+    return cache_dir() / "kernels" / f"bf16_kernels-{digest}.so"
 
 
 def _build(cc: str, lib: Path) -> None:
     lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gemv_bf16-", suffix=".so", dir=lib.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".bf16_kernels-", suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, timeout=120)
         os.replace(tmp, lib)  # atomic: concurrent first uses (one per instance process) never see half a file
     finally:
         if os.path.exists(tmp):
@@ -64,7 +67,7 @@ def _build(cc: str, lib: Path) -> None:
 
 
 @functools.cache
-def _load() -> Callable[..., int] | None:
+def _load() -> ctypes.CDLL | None:
     if os.environ.get("TETRIINFER_CPU_KERNELS", "1") == "0":
         return None
     if not {"avx2", "fma"} <= cpu_flags():
@@ -77,15 +80,18 @@ def _load() -> Callable[..., int] | None:
                 log.info("no C compiler found: bf16 decode matmuls use torch's kernels")
                 return None
             _build(cc, lib)
-        fn = ctypes.CDLL(str(lib)).tetri_gemv_bf16
+        dll = ctypes.CDLL(str(lib))
+        gemv, attn = dll.tetri_gemv_bf16, dll.tetri_decode_attn_bf16
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("bf16 CPU kernel unavailable (%s %s): torch's kernels are used", e,
                     detail.decode(errors="replace")[:500])
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    fn.restype = ctypes.c_int
-    return fn
+    gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    gemv.restype = ctypes.c_int
+    attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    attn.restype = ctypes.c_int
+    return dll
 
 
 def gemv_bf16_available() -> bool:
@@ -95,15 +101,37 @@ def gemv_bf16_available() -> bool:
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] bf16 @ [N, K].T bf16 (+ [N] bf16) -> [M, N] bf16 on CPU; M <= MAX_ROWS. Call only when
     `gemv_bf16_available()`; inputs must be contiguous CPU bf16 tensors."""
-    fn = _load()
-    assert fn is not None
+    dll = _load()
+    assert dll is not None
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)) or m > MAX_ROWS:
         raise ValueError(f"gemv_bf16: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)}")
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    rc = fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    rc = dll.tetri_gemv_bf16(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
     if rc != 0:
         raise MemoryError("gemv_bf16: out of memory for its scratch buffer")
     return y
+
+
+def decode_attn_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] bf16; k_cache, v_cache [S, Hkv, D] bf16; slots [B, L] int64 (row b: its first lengths[b]
+    entries are its context's slots); lengths [B] int64 -> [B, H, D] bf16 (softmax(q k^T / sqrt(D)) v per head,
+    grouped-query). Call only when `gemv_bf16_available()`; contiguous CPU tensors."""
+    dll = _load()
+    assert dll is not None
+    b, h, d = q.shape
+    s, hkv, dk = k_cache.shape
+    length = slots.shape[1]
+    if (dk != d or v_cache.shape != k_cache.shape or h % hkv or slots.shape[0] != b or lengths.shape != (b,)
+            or slots.dtype != torch.int64 or lengths.dtype != torch.int64):
+        raise ValueError(f"decode_attn_bf16: q {tuple(q.shape)}, k/v cache {tuple(k_cache.shape)}, "
+                         f"slots {tuple(slots.shape)} {slots.dtype}, lengths {tuple(lengths.shape)}")
+    out = torch.empty_like(q)
+    rc = dll.tetri_decode_attn_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                    lengths.data_ptr(), out.data_ptr(), b, h, hkv, d, length, d ** -0.5)
+    if rc != 0:
+        raise MemoryError("decode_attn_bf16: out of memory for its scratch buffers")
+    return out

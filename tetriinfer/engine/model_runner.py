@@ -120,6 +120,7 @@ class ModelRunner:
             row_start=rows[0] if contiguous else None,
             slots=slots,
             mask=mask,
+            lengths=lengths.to(self.device),
         )
 
     @torch.inference_mode()
