@@ -87,9 +87,10 @@ class SideChannelAgent(ZmqAgent):
     def _before_sends(self) -> None:
         """Called on the I/O thread before a header's sends are posted (CUDA: order after the caller's stream)."""
 
-    def _rx_buffer(self, n: int, dst: Any | None, live: Live) -> Any:
+    def _rx_buffer(self, n: int, dst: Any | None, live: Live, owner: str = "") -> Any:
         """Where one incoming payload of `n` bytes is received; `dst` is the caller's buffer it is meant for (None:
-        nobody wants it). Default: backend staging, copied by `_deliver` on the I/O thread."""
+        nobody wants it), `owner` the receiving transfer. Default: backend staging, copied by `_deliver` on the
+        I/O thread."""
         raise NotImplementedError
 
     def _deliver(self, dst: Any, buf: Any) -> None:
@@ -196,7 +197,7 @@ class SideChannelAgent(ZmqAgent):
         live: Live = lambda: self._live_in(target, attempt)  # noqa: E731
         for i, n in enumerate(msg.nbytes):  # every payload is received, wanted or not (see the invariants)
             slot = msg.slots[i] if target is not None else -1
-            buf = self._rx_buffer(n, target.region.slots[slot] if target is not None else None, live)
+            buf = self._rx_buffer(n, target.region.slots[slot] if target is not None else None, live, tid)
             self._n_rx += 1
             self._start(src, False, buf, (msg.seq + i) % TAG_SPACE, PUSH,
                         lambda err, s=slot, b=buf, n=n: self._received(tid, target, attempt, s, n, b, src, err))

@@ -9,9 +9,10 @@ Acks and Closes come from `SideChannelAgent`; one-sided reads stay on ZeroMQ fra
 
 Invariants (beyond SideChannelAgent's):
 - A reader writes into a caller's buffer only while that transfer is live, checked before every 4 MB piece with
-  the connection's lock held; a receiver that becomes terminal with recvs in flight waits on every connection's
-  lock first (a piece stuck on a stalled sender is cut off by shutting that connection down), so once a caller sees
-  DONE/FAILED, or release() returned, its buffers are never written again.
+  the connection's lock held; a receiver that becomes terminal with recvs in flight first waits for the piece in
+  progress on any connection receiving its frames (a piece stuck for FENCE_WAIT_S on a stalled sender is cut off
+  by shutting that connection down; other connections are never touched), so once a caller sees DONE/FAILED, or
+  release() returned, its buffers are never written again.
 - Every posted recv completes exactly once: its frame arrived, its sender's last connection ended, its header
   came but no frame started within `config.timeout_s`, or shutdown.
 - Nothing read from a data socket is decoded beyond two integers; control headers are msgspec structs.
@@ -50,7 +51,7 @@ from tetriinfer.transfer.tcp_stream import (
 _ADDRESS = re.compile(r"^tcp://(.+):(\d+)\?data=(\d+)$")
 _IDENTITY_PREFIX = b"tikv-"
 HELLO_TIMEOUT_S = 5.0
-FENCE_WAIT_S = 0.5  # a terminal receiver waits this long for a piece in flight before cutting its connection
+FENCE_WAIT_S = 2.0  # a terminal receiver waits this long for its piece in flight before cutting that connection
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
@@ -163,17 +164,18 @@ class TcpBackend(SideChannelAgent):
         assert isinstance(buf, DirectDest) and isinstance(peer, bytes)
         self._inboxes.post(peer, tag, Post(buf, done, time.monotonic() + self.config.timeout_s))
 
-    def _rx_buffer(self, n: int, dst: Any, live: Live) -> DirectDest:
-        return DirectDest(n, dst, live)
+    def _rx_buffer(self, n: int, dst: Any, live: Live, owner: str = "") -> DirectDest:
+        return DirectDest(n, dst, live, owner)
 
     def _deliver(self, dst: Any, buf: Any) -> None:
         pass  # the reader received straight into `dst`
 
     def _finish_in_locked(self, inb: _In) -> None:
         super()._finish_in_locked(inb)
-        if self._rx_pending.get(inb.rec.transfer_id):  # readers may be writing its buffers: wait them out
+        tid = inb.rec.transfer_id
+        if self._rx_pending.get(tid):  # a reader may be writing its buffers: wait out that piece
             with self._conns_lock:
-                conns = list(self._conns)
+                conns = [c for c in self._conns if c.owner == tid]
             for c in conns:
                 c.fence(FENCE_WAIT_S)
 

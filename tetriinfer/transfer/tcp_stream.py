@@ -140,11 +140,12 @@ class StreamWriter:
 @dataclass
 class DirectDest:
     """Where a posted recv of `nbytes` lands: the caller's buffer `dst` (None: drop the bytes) while `live()`
-    holds."""
+    holds. `owner`: the receiving transfer's id ("" when none)."""
 
     nbytes: int
     dst: np.ndarray | None
     live: Callable[[], bool]
+    owner: str = ""
 
 
 @dataclass
@@ -230,10 +231,13 @@ class Inboxes:
 
 @dataclass(eq=False)
 class Connection:
-    """One accepted data connection; `lock` is held while a piece is received into a caller's buffer."""
+    """One accepted data connection; `lock` is held while a piece is received into a caller's buffer, and
+    `owner` names the transfer whose frame is being received (set before its first piece, cleared after its
+    last)."""
 
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
+    owner: str | None = None
 
     def fence(self, wait_s: float) -> None:
         """Wait until no piece is being received into a caller's buffer; a piece stuck longer than `wait_s`
@@ -252,13 +256,17 @@ def receive_frame(conn: Connection, post: Post, nbytes: int, scratch: np.ndarray
     mv_scratch = memoryview(scratch)
     dst = post.dest.dst
     mv_dst = memoryview(dst) if dst is not None and post.dest.nbytes == nbytes else None
-    for a in range(0, nbytes, PIECE_BYTES):
-        b = min(nbytes, a + PIECE_BYTES)
-        with conn.lock:
-            if mv_dst is not None and post.dest.live():
-                recv_exact_into(conn.sock, mv_dst[a:b])
-            else:
-                recv_exact_into(conn.sock, mv_scratch[:b - a])
+    conn.owner = post.dest.owner
+    try:
+        for a in range(0, nbytes, PIECE_BYTES):
+            b = min(nbytes, a + PIECE_BYTES)
+            with conn.lock:
+                if mv_dst is not None and post.dest.live():
+                    recv_exact_into(conn.sock, mv_dst[a:b])
+                else:
+                    recv_exact_into(conn.sock, mv_scratch[:b - a])
+    finally:
+        conn.owner = None
 
 
 def frame_header(conn: Connection) -> tuple[int, int]:

@@ -342,7 +342,7 @@ class TorchDistBackend(SideChannelAgent):
                 self._submit(lambda d=done, e=err: d(e))
             del work, done, item
 
-    def _rx_buffer(self, n: int, dst: Any, live: Any) -> torch.Tensor:
+    def _rx_buffer(self, n: int, dst: Any, live: Any, owner: str = "") -> torch.Tensor:
         free = self._free.get(n)
         if free:
             self._free_bytes -= n
