@@ -16,7 +16,7 @@ from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.cpu_info import cpu_flags, cpu_has_native
 from tetriinfer.engine.models.layers import Linear, use_gemv_bf16
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.gemv_bf16_available(),
+needs_kernel = pytest.mark.skipif(not cpu_kernels.kernels_available(),
                                   reason="no AVX2/FMA CPU or no C compiler: the kernel is not built here")
 
 
@@ -88,7 +88,7 @@ def test_linear_uses_the_kernel_for_few_bf16_rows_only() -> None:
 
 def test_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(tmp_path: Path) -> None:
     code = ("from tetriinfer.engine import cpu_kernels as c; import sys; "
-            "sys.exit(0 if not c.gemv_bf16_available() else 1)")
+            "sys.exit(0 if not c.kernels_available() else 1)")
     for env in ({"TETRIINFER_CPU_KERNELS": "0"}, {"CC": "/nonexistent/cc", "PATH": "/nonexistent"}):
         env = {**env, "HOME": str(tmp_path), "TETRIINFER_CACHE": str(tmp_path / "cache"),
                "PYTHONPATH": ":".join(sys.path)}
@@ -97,7 +97,7 @@ def test_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(tmp_path: P
 
 
 def test_kernel_needs_avx2_and_fma() -> None:
-    assert cpu_kernels.gemv_bf16_available() is False or {"avx2", "fma"} <= cpu_flags()
+    assert cpu_kernels.kernels_available() is False or {"avx2", "fma"} <= cpu_flags()
 
 
 def attention_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor,
@@ -115,31 +115,39 @@ def attention_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slo
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 16), (7, 1, 24), (16, 2, 13),
                                                              (6, 3, 8), (4, 4, 5)])
-def test_decode_attention_matches_fp32_reference(heads: int, kv_heads: int, head_dim: int) -> None:
+def test_decode_attention_matches_fp32_reference(heads: int, kv_heads: int, head_dim: int,
+                                                 dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + head_dim)
     slots_total = 300
-    kc = (2 * torch.randn(slots_total, kv_heads, head_dim, generator=g)).bfloat16()
-    vc = torch.randn(slots_total, kv_heads, head_dim, generator=g).bfloat16()
+    kc = (2 * torch.randn(slots_total, kv_heads, head_dim, generator=g)).to(dtype)
+    vc = torch.randn(slots_total, kv_heads, head_dim, generator=g).to(dtype)
     lengths = torch.tensor([1, 2, 9, 100, 17])
     slots = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)
     for i, n in enumerate(lengths.tolist()):
         slots[i, :n] = torch.randperm(slots_total, generator=g)[:n]  # scattered blocks, padding left at slot 0
-    q = torch.randn(len(lengths), heads, head_dim, generator=g).bfloat16()
-    got = cpu_kernels.decode_attn_bf16(q, kc, vc, slots, lengths)
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
+    got = cpu_kernels.decode_attn(q, kc, vc, slots, lengths)
     want = attention_reference(q, kc, vc, slots, lengths)
-    assert got.shape == q.shape and got.dtype == torch.bfloat16
-    tol = want.abs().clamp_min(1e-2) * 2.0**-7 + 1e-4
-    assert bool(((got.float() - want).abs() <= tol).all())
+    assert got.shape == q.shape and got.dtype == dtype
+    if dtype == torch.float32:  # same math, another summation order and a ~1 ulp exp
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        tol = want.abs().clamp_min(1e-2) * 2.0**-7 + 1e-4
+        assert bool(((got.float() - want).abs() <= tol).all())
 
 
 @needs_kernel
 def test_decode_attention_rejects_bad_shapes() -> None:
     q = torch.zeros(2, 6, 8).bfloat16()
     kc = torch.zeros(10, 4, 8).bfloat16()  # 6 heads cannot share 4 kv heads
-    with pytest.raises(ValueError, match="decode_attn_bf16"):
-        cpu_kernels.decode_attn_bf16(q, kc, kc, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="decode_attn"):
+        cpu_kernels.decode_attn(q, kc, kc, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="decode_attn"):  # mixed dtypes
+        ok = torch.zeros(10, 2, 8)
+        cpu_kernels.decode_attn(q, ok, ok, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long))
 
 
 @needs_kernel

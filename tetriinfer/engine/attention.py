@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tetriinfer.engine.cpu_info import cpu_has_native
-from tetriinfer.engine.cpu_kernels import decode_attn_bf16, gemv_bf16_available
+from tetriinfer.engine.cpu_kernels import decode_attn, kernels_available
 
 
 @dataclass
@@ -66,8 +66,16 @@ def _sdpa(
 
 
 def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu" and k_cache.is_contiguous()
-            and not cpu_has_native(torch.bfloat16) and torch.get_num_threads() == 1 and gemv_bf16_available())
+    """The native paged decode attention (`cpu_kernels.decode_attn`) replaces gather + SDPA for CPU decode groups
+    in fp32, and in bf16 on CPUs without native bf16, when the engine runs one torch thread."""
+    if q.device.type != "cpu" or q.dtype != k_cache.dtype or not k_cache.is_contiguous():
+        return False
+    if q.dtype == torch.bfloat16:
+        if cpu_has_native(torch.bfloat16):
+            return False
+    elif q.dtype != torch.float32:
+        return False
+    return torch.get_num_threads() == 1 and kernels_available()
 
 
 def paged_attention(
@@ -86,13 +94,13 @@ def paged_attention(
     native_decode = _use_decode_kernel(q, k_cache)
     for g in meta.decode_groups:
         b, length = g.slots.shape
-        if native_decode and g.lengths is not None:  # bf16 on an AVX2 CPU: K/V read in place by the C kernel
+        if native_decode and g.lengths is not None:  # K/V read in place by the C kernel
             if g.row_start is not None:
                 rows = slice(g.row_start, g.row_start + b)
-                out[rows] = decode_attn_bf16(q[rows].contiguous(), k_cache, v_cache, g.slots, g.lengths)
+                out[rows] = decode_attn(q[rows].contiguous(), k_cache, v_cache, g.slots, g.lengths)
             else:
                 qd = q.index_select(0, g.rows)  # [B, H, D]
-                out.index_copy_(0, g.rows, decode_attn_bf16(qd, k_cache, v_cache, g.slots, g.lengths))
+                out.index_copy_(0, g.rows, decode_attn(qd, k_cache, v_cache, g.slots, g.lengths))
             continue
         flat = g.slots.view(-1)
         kc = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]

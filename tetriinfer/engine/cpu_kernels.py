@@ -1,18 +1,18 @@
-"""Native CPU kernels for what torch does slowly on CPUs without bf16 instructions (AVX2 only).
+"""Native AVX2 CPU kernels for decode, where torch is slow: bf16 on CPUs without bf16 instructions, and attention.
 
 `gemv_bf16(x, weight, bias)`: the few-row (decode) bf16 linear layer, y = x @ weight.T + bias, products and sums in
 fp32, output rounded to bf16. torch's bf16 GEMV reads ~6 GB/s on such a CPU; this kernel streams the weights once
 at close to the memory bandwidth.
-`decode_attn_bf16(q, k_cache, v_cache, slots, lengths)`: decode attention over the paged bf16 KV cache, reading K/V
-in place (torch needs a gather, two fp32 copies and small batched matmuls: ~250 us per layer at batch 1).
-Source: `csrc/bf16_kernels.c`.
+`decode_attn(q, k_cache, v_cache, slots, lengths)`: decode attention over the paged KV cache (bf16 or fp32), reading
+K/V in place (torch needs a gather, two fp32 copies and small batched matmuls: ~250 us per layer at batch 1).
+Source: `csrc/decode_kernels.c`.
 
 The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
-into `<cache>/kernels/` (once per source version) and loaded with ctypes -- no torch headers, no build step at install. Every failure (no
-compiler, no AVX2/FMA, a compile error) leaves `gemv_bf16_available()` False and callers keep torch's path.
+into `<cache>/kernels/` (once per source version) and loaded with ctypes -- no torch headers, no build step at
+install. Every failure (no compiler, no AVX2/FMA, a compile error) leaves `kernels_available()` False and callers keep torch's path.
 `TETRIINFER_CPU_KERNELS=0` turns the kernels off.
 
-Invariants: the kernel only reads its inputs and writes a fresh output tensor; it runs with the GIL released
+Invariants: the kernels only read their inputs and write a fresh output tensor; it runs with the GIL released
 (ctypes), single-threaded, so it is used only where the engine runs one torch thread (the CPU serving layout).
 """
 
@@ -34,7 +34,7 @@ from tetriinfer.engine.cpu_info import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_kernels.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernels.c"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c11"]
 LIBS = ["-lm"]
 MAX_ROWS = 64  # the kernel's x stays in cache up to here; callers use it for far fewer rows
@@ -51,12 +51,12 @@ def _library_path() -> Path:
     from tetriinfer.engine.make_model import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"bf16_kernels-{digest}.so"
+    return cache_dir() / "kernels" / f"decode_kernels-{digest}.so"
 
 
 def _build(cc: str, lib: Path) -> None:
     lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".bf16_kernels-", suffix=".so", dir=lib.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".decode_kernels-", suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
         subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, timeout=120)
@@ -89,18 +89,19 @@ def _load() -> ctypes.CDLL | None:
         return None
     gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     gemv.restype = ctypes.c_int
-    attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
-    attn.restype = ctypes.c_int
+    for fn in (attn, dll.tetri_decode_attn_f32):
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+        fn.restype = ctypes.c_int
     return dll
 
 
-def gemv_bf16_available() -> bool:
+def kernels_available() -> bool:
     return _load() is not None
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] bf16 @ [N, K].T bf16 (+ [N] bf16) -> [M, N] bf16 on CPU; M <= MAX_ROWS. Call only when
-    `gemv_bf16_available()`; inputs must be contiguous CPU bf16 tensors."""
+    `kernels_available()`; inputs must be contiguous CPU bf16 tensors."""
     dll = _load()
     assert dll is not None
     m, k = x.shape
@@ -115,23 +116,26 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return y
 
 
-def decode_attn_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D] bf16; k_cache, v_cache [S, Hkv, D] bf16; slots [B, L] int64 (row b: its first lengths[b]
-    entries are its context's slots); lengths [B] int64 -> [B, H, D] bf16 (softmax(q k^T / sqrt(D)) v per head,
-    grouped-query). Call only when `gemv_bf16_available()`; contiguous CPU tensors."""
+def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D]; k_cache, v_cache [S, Hkv, D] (bf16 or fp32, as q); slots [B, L] int64 (row b: its first
+    lengths[b] entries are its context's slots); lengths [B] int64 -> [B, H, D] in q's dtype (softmax(q k^T /
+    sqrt(D)) v per head, grouped-query, fp32 math). Call only when `kernels_available()`; contiguous CPU
+    tensors. Slots must lie in [0, S) (the engine's own block tables; not checked per call)."""
     dll = _load()
     assert dll is not None
     b, h, d = q.shape
     s, hkv, dk = k_cache.shape
     length = slots.shape[1]
     if (dk != d or v_cache.shape != k_cache.shape or h % hkv or slots.shape[0] != b or lengths.shape != (b,)
-            or slots.dtype != torch.int64 or lengths.dtype != torch.int64):
-        raise ValueError(f"decode_attn_bf16: q {tuple(q.shape)}, k/v cache {tuple(k_cache.shape)}, "
-                         f"slots {tuple(slots.shape)} {slots.dtype}, lengths {tuple(lengths.shape)}")
+            or slots.dtype != torch.int64 or lengths.dtype != torch.int64
+            or not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError(f"decode_attn: q {tuple(q.shape)} {q.dtype}, k/v cache {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}, slots {tuple(slots.shape)} {slots.dtype}, lengths {tuple(lengths.shape)}")
     out = torch.empty_like(q)
-    rc = dll.tetri_decode_attn_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                                    lengths.data_ptr(), out.data_ptr(), b, h, hkv, d, length, d ** -0.5)
+    fn = dll.tetri_decode_attn_f32 if q.dtype == torch.float32 else dll.tetri_decode_attn_bf16
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
+            out.data_ptr(), b, h, hkv, d, length, d ** -0.5)
     if rc != 0:
-        raise MemoryError("decode_attn_bf16: out of memory for its scratch buffers")
+        raise MemoryError("decode_attn: out of memory for its scratch buffers")
     return out

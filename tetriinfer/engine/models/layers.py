@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetriinfer.engine.cpu_info import cpu_has_native
-from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv_bf16, gemv_bf16_available
+from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv_bf16, kernels_available
 
 # Below this many rows a reduced-precision matmul stays native: it is memory-bound (decode), and reading
 # the weights once in bf16 beats converting them to fp32 first.
@@ -37,7 +37,7 @@ class Linear(nn.Linear):
 def use_gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a few-row bf16 matmul of `x` [T, in] by `weight` [out, in] goes to the native AVX2 kernel."""
     return (x.dtype == weight.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous()
-            and not torch.is_grad_enabled() and torch.get_num_threads() == 1 and gemv_bf16_available())
+            and not torch.is_grad_enabled() and torch.get_num_threads() == 1 and kernels_available())
 
 
 class RMSNorm(nn.Module):

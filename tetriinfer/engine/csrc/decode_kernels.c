@@ -1,5 +1,5 @@
-/* bf16 decode kernels, AVX2 + FMA, for CPUs without native bf16 instructions: a few-row matmul
- * (tetri_gemv_bf16) and paged decode attention (tetri_decode_attn_bf16, below).
+/* Decode kernels, AVX2 + FMA: a few-row bf16 matmul for CPUs without native bf16 instructions (tetri_gemv_bf16)
+ * and paged decode attention over bf16 or fp32 KV caches (tetri_decode_attn_bf16 / _f32, below).
  *
  * y[m, n] = bf16( sum_k float(x[m, k]) * float(w[n, k]) + float(bias[n]) ),  0 <= m < M, 0 <= n < N
  * x: [M, K] bf16 row-major, w: [N, K] bf16 row-major (nn.Linear's weight), bias: [N] bf16 or NULL,
@@ -93,17 +93,28 @@ int tetri_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
     return 0;
 }
 
-/* Decode attention over a paged bf16 KV cache, reading K/V in place (no gather, no fp32 copies).
+/* Decode attention over a paged KV cache (bf16 or fp32), reading K/V in place (no gather, no conversion copies).
  *
- * q: [B, H, D] bf16; k_cache, v_cache: [S, Hkv, D] bf16 (S slots); slots: [B, L] int64, row b's first
- * lengths[b] entries are the slots of its context (the rest is ignored); out: [B, H, D] bf16.
+ * q: [B, H, D]; k_cache, v_cache: [S, Hkv, D] (S slots), same dtype as q; slots: [B, L] int64, row b's first
+ * lengths[b] entries are the slots of its context (the rest is ignored); out: [B, H, D], same dtype.
  * Query head h reads kv head h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are
- * fp32 (max-subtracted exp, as SDPA's math); the output is rounded once to bf16.
+ * fp32 (max-subtracted exp, as SDPA's math); a bf16 output is rounded once. Exported as tetri_decode_attn_bf16 and
+ * tetri_decode_attn_f32 (F32 below is a compile-time constant in each).
  * Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+
+/* 8 lanes of K/V at element index i of an fp32 or bf16 array */
+static inline __attribute__((always_inline)) __m256 kv8(const void *p, int64_t i, int F32) {
+    return F32 ? _mm256_loadu_ps((const float *)p + i) : load8((const uint16_t *)p + i);
+}
+
+static inline __attribute__((always_inline)) float kv1(const void *p, int64_t i, int F32) {
+    return F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
 /* Scores of GN query heads (rows of q, stride D) against two keys: 2 x GN independent FMA chains (one chain per
- * dot would be latency-bound); GN is a compile-time constant after inlining. */
-static inline __attribute__((always_inline)) void dots2(const float *q, int64_t D, int GN, const uint16_t *k0,
-                                                         const uint16_t *k1, float *o0, float *o1) {
+ * dot would be latency-bound); GN and F32 are compile-time constants after inlining. */
+static inline __attribute__((always_inline)) void dots2(const float *q, int64_t D, int GN, const void *k0,
+                                                         const void *k1, float *o0, float *o1, int F32) {
     __m256 a0[4], a1[4];
     for (int g = 0; g < GN; g++) {
         a0[g] = _mm256_setzero_ps();
@@ -111,7 +122,7 @@ static inline __attribute__((always_inline)) void dots2(const float *q, int64_t 
     }
     int64_t d = 0;
     for (; d + 8 <= D; d += 8) {
-        __m256 x0 = load8(k0 + d), x1 = load8(k1 + d);
+        __m256 x0 = kv8(k0, d, F32), x1 = kv8(k1, d, F32);
         for (int g = 0; g < GN; g++) {
             __m256 qq = _mm256_loadu_ps(q + g * D + d);
             a0[g] = _mm256_fmadd_ps(qq, x0, a0[g]);
@@ -121,20 +132,20 @@ static inline __attribute__((always_inline)) void dots2(const float *q, int64_t 
     for (int g = 0; g < GN; g++) {
         float s0 = hsum(a0[g]), s1 = hsum(a1[g]);
         for (int64_t t = d; t < D; t++) {
-            s0 += q[g * D + t] * bf16_to_f32(k0[t]);
-            s1 += q[g * D + t] * bf16_to_f32(k1[t]);
+            s0 += q[g * D + t] * kv1(k0, t, F32);
+            s1 += q[g * D + t] * kv1(k1, t, F32);
         }
         o0[g] = s0;
         o1[g] = s1;
     }
 }
 
-static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int64_t D) {
+static inline __attribute__((always_inline)) void axpy(float *acc, float p, const void *v, int64_t D, int F32) {
     __m256 pp = _mm256_set1_ps(p);
     int64_t d = 0;
     for (; d + 8 <= D; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pp, load8(v + d), _mm256_loadu_ps(acc + d)));
-    for (; d < D; d++) acc[d] += p * bf16_to_f32(v[d]);
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pp, kv8(v, d, F32), _mm256_loadu_ps(acc + d)));
+    for (; d < D; d++) acc[d] += p * kv1(v, d, F32);
 }
 
 /* exp of 8 lanes (Cephes' single-precision polynomial, ~1 ulp on [-87, 88]; -> 0 below). */
@@ -155,10 +166,14 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
-int tetri_decode_attn_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int64_t *slots, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
-                           int64_t Hkv, int64_t D, int64_t L, float scale) {
+static inline __attribute__((always_inline)) int decode_attn(const void *q, const void *k_cache,
+                                                              const void *v_cache, const int64_t *slots,
+                                                              const int64_t *lengths, void *out, int64_t B,
+                                                              int64_t H, int64_t Hkv, int64_t D, int64_t L,
+                                                              float scale, int F32) {
     int64_t G = H / Hkv, row = Hkv * D;  /* row: elements of one slot (every kv head), read contiguously */
+    int64_t esz = F32 ? 4 : 2;
+    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
     int64_t Lp = (L > 0 ? L : 1) + 8;
     float *qf = (float *)malloc((size_t)(H * D) * sizeof(float));
     float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
@@ -174,29 +189,28 @@ int tetri_decode_attn_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
     for (int64_t b = 0; b < B; b++) {
         int64_t n = lengths[b] < L ? lengths[b] : L;
         const int64_t *sl = slots + b * L;
-        for (int64_t i = 0; i < H * D; i++) qf[i] = bf16_to_f32(q[b * H * D + i]) * scale;
+        for (int64_t i = 0; i < H * D; i++) qf[i] = kv1(q, b * H * D + i, F32) * scale;
         /* scores, key-major: each slot's K row (all kv heads) is read once, two slots per pass */
         for (int64_t l = 0; l < n; l += 2) {
-            const uint16_t *r0 = k_cache + sl[l] * row;
-            const uint16_t *r1 = l + 1 < n ? k_cache + sl[l + 1] * row : r0;
-            for (int64_t h0 = 0; h0 < H; h0 += 4) {  /* blocks of <= 4 query heads within one kv head */
+            const char *r0 = kc + sl[l] * row * esz;
+            const char *r1 = l + 1 < n ? kc + sl[l + 1] * row * esz : r0;
+            for (int64_t h0 = 0; h0 < H;) {  /* blocks of <= 4 query heads within one kv head */
                 int64_t hk = h0 / G, gn = G - h0 % G;
                 gn = gn < 4 ? gn : 4;
-                gn = H - h0 < gn ? H - h0 : gn;
                 float o0[4], o1[4];
                 const float *qh = qf + h0 * D;
-                const uint16_t *k0 = r0 + hk * D, *k1 = r1 + hk * D;
+                const void *k0 = r0 + hk * D * esz, *k1 = r1 + hk * D * esz;
                 switch (gn) {
-                    case 1: dots2(qh, D, 1, k0, k1, o0, o1); break;
-                    case 2: dots2(qh, D, 2, k0, k1, o0, o1); break;
-                    case 3: dots2(qh, D, 3, k0, k1, o0, o1); break;
-                    default: dots2(qh, D, 4, k0, k1, o0, o1); break;
+                    case 1: dots2(qh, D, 1, k0, k1, o0, o1, F32); break;
+                    case 2: dots2(qh, D, 2, k0, k1, o0, o1, F32); break;
+                    case 3: dots2(qh, D, 3, k0, k1, o0, o1, F32); break;
+                    default: dots2(qh, D, 4, k0, k1, o0, o1, F32); break;
                 }
                 for (int64_t g = 0; g < gn; g++) {
                     s[(h0 + g) * Lp + l] = o0[g];
                     if (l + 1 < n) s[(h0 + g) * Lp + l + 1] = o1[g];
                 }
-                h0 += gn - 4;  /* the loop adds 4: continue right after this block */
+                h0 += gn;
             }
         }
         for (int64_t h = 0; h < H; h++) {  /* softmax per query head, 8 scores at a time */
@@ -221,14 +235,29 @@ int tetri_decode_attn_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
         /* weighted values, key-major: each slot's V row read once for every query head */
         memset(acc, 0, (size_t)(H * D) * sizeof(float));
         for (int64_t l = 0; l < n; l++) {
-            const uint16_t *vr = v_cache + sl[l] * row;
-            for (int64_t h = 0; h < H; h++) axpy_bf16(acc + h * D, s[h * Lp + l], vr + (h / G) * D, D);
+            const char *vr = vc + sl[l] * row * esz;
+            for (int64_t h = 0; h < H; h++) axpy(acc + h * D, s[h * Lp + l], vr + (h / G) * D * esz, D, F32);
         }
-        for (int64_t i = 0; i < H * D; i++) out[b * H * D + i] = f32_to_bf16(acc[i]);
+        if (F32)
+            memcpy((float *)out + b * H * D, acc, (size_t)(H * D) * sizeof(float));
+        else
+            for (int64_t i = 0; i < H * D; i++) ((uint16_t *)out)[b * H * D + i] = f32_to_bf16(acc[i]);
     }
     _mm_setcsr(csr);
     free(qf);
     free(acc);
     free(s);
     return 0;
+}
+
+int tetri_decode_attn_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *slots, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
+                           int64_t Hkv, int64_t D, int64_t L, float scale) {
+    return decode_attn(q, k_cache, v_cache, slots, lengths, out, B, H, Hkv, D, L, scale, 0);
+}
+
+int tetri_decode_attn_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
+                          const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                          int64_t L, float scale) {
+    return decode_attn(q, k_cache, v_cache, slots, lengths, out, B, H, Hkv, D, L, scale, 1);
 }
