@@ -536,6 +536,14 @@ class ZmqAgent:
                 return
             self._guard(lambda p=parts: handler(p))
 
+    def _dealer_endpoint(self, address: str) -> str:
+        """The zmq endpoint a DEALER dials for a peer's agent address (backends with richer addresses override)."""
+        return address
+
+    def _dealer_identity(self) -> bytes | None:
+        """The routing id our DEALERs present (None: zmq picks one); backends that identify peers override."""
+        return None
+
     def _dealer(self, address: str) -> zmq.Socket:
         d = self._dealers.get(address)
         if d is None:
@@ -543,7 +551,9 @@ class ZmqAgent:
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, 0)
             d.setsockopt(zmq.RCVHWM, 0)
-            d.connect(address)
+            if (identity := self._dealer_identity()) is not None:
+                d.setsockopt(zmq.ROUTING_ID, identity)
+            d.connect(self._dealer_endpoint(address))
             self._poller.register(d, zmq.POLLIN)
             self._dealers[address] = d
         return d

@@ -140,13 +140,19 @@ class SideChannelAgent(ZmqAgent):
             self._start(dst, True, v, (tag + i) % TAG_SPACE, PUSH, lambda err: self._sent(tid, out, dst, err))
         return True
 
+    @staticmethod
+    def _count_down(pending: dict[str, int], tid: str) -> int:
+        """One op of `tid` completed: its in-flight count, dropped at zero. Returns what is left."""
+        left = pending[tid] - 1
+        if left:
+            pending[tid] = left
+        else:
+            del pending[tid]
+        return left
+
     def _sent(self, tid: str, out: _Out, dst: Hashable, err: str | None) -> None:
         self._n_tx -= 1
-        left = self._tx_pending[tid] - 1
-        if left:
-            self._tx_pending[tid] = left
-        else:
-            del self._tx_pending[tid]
+        left = self._count_down(self._tx_pending, tid)
         if err is not None and self._out.get(tid) is out:
             self._fail_out(out, f"send to {self._peer_name(dst)} failed: {err}", tell_peer=True)
         if not left:
@@ -222,11 +228,7 @@ class SideChannelAgent(ZmqAgent):
     def _received(self, tid: str, inb: _In | None, attempt: int, slot: int, n: int, buf: Any, src: Hashable,
                   err: str | None) -> None:
         self._n_rx -= 1
-        left = self._rx_pending[tid] - 1
-        if left:
-            self._rx_pending[tid] = left
-        else:
-            del self._rx_pending[tid]
+        left = self._count_down(self._rx_pending, tid)
         if self._live_in(inb, attempt):
             assert inb is not None
             if err is not None:

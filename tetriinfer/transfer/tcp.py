@@ -28,8 +28,6 @@ import uuid
 from collections.abc import Hashable
 from typing import Any
 
-import zmq
-
 from tetriinfer.transfer.agent import ZmqAgent, _In
 from tetriinfer.transfer.base import AgentConfig, Peer
 from tetriinfer.transfer.messages import RemoteRegion
@@ -45,6 +43,7 @@ from tetriinfer.transfer.tcp_stream import (
     read_hello,
     receive_frame,
     scratch_buffer,
+    shut,
     tune,
 )
 
@@ -108,37 +107,24 @@ class TcpBackend(SideChannelAgent):
         if not self._running:
             return
         super().shutdown()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shut(self._listener)
         self._listener.close()
         self._inboxes.close()
         with self._conns_lock:
             conns = list(self._conns)
         for c in conns:
-            try:
-                c.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(c.sock)
         for w in list(self._writers.values()):
             w.close()
         self._writers.clear()
         self._acceptor.join(timeout=5)
 
     # ------------------------------------------------------------------ SideChannelAgent hooks
-    def _dealer(self, address: str) -> zmq.Socket:
-        d = self._dealers.get(address)
-        if d is None:
-            d = self._ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.SNDHWM, 0)
-            d.setsockopt(zmq.RCVHWM, 0)
-            d.setsockopt(zmq.ROUTING_ID, self._identity)  # the same id our data streams say hello with
-            d.connect(parse_address(address)[0])
-            self._poller.register(d, zmq.POLLIN)
-            self._dealers[address] = d
-        return d
+    def _dealer_endpoint(self, address: str) -> str:
+        return parse_address(address)[0]
+
+    def _dealer_identity(self) -> bytes:
+        return self._identity  # the same id our data streams say hello with
 
     def _peer_of_address(self, address: str) -> Hashable:
         parse_address(address)

@@ -54,6 +54,14 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def shut(sock: socket.socket) -> None:
+    """Shut both directions down, waking any thread blocked on `sock` (already gone is fine)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -81,10 +89,7 @@ class StreamWriter:
         self._queue.put(None)
         sock = self._sock
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(sock)
         self._thread.join(timeout=5)
 
     def _connect(self) -> socket.socket:
@@ -243,10 +248,7 @@ class Connection:
         """Wait until no piece is being received into a caller's buffer; a piece stuck longer than `wait_s`
         (a stalled sender) is cut off by shutting the connection down."""
         if not self.lock.acquire(timeout=wait_s):
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(self.sock)
             self.lock.acquire()
         self.lock.release()
 

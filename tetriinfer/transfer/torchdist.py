@@ -281,19 +281,11 @@ class TorchDistBackend(SideChannelAgent):
         self._free.clear()
 
     # ------------------------------------------------------------------ links (I/O thread)
-    def _dealer(self, address: str) -> zmq.Socket:
-        d = self._dealers.get(address)
-        if d is None:
-            endpoint = parse_address(address)[1]
-            d = self._ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.SNDHWM, 0)
-            d.setsockopt(zmq.RCVHWM, 0)
-            d.setsockopt(zmq.ROUTING_ID, f"{self.rank}:{uuid.uuid4().hex}".encode())  # tells peers our rank
-            d.connect(endpoint)
-            self._poller.register(d, zmq.POLLIN)
-            self._dealers[address] = d
-        return d
+    def _dealer_endpoint(self, address: str) -> str:
+        return parse_address(address)[1]
+
+    def _dealer_identity(self) -> bytes:
+        return f"{self.rank}:{uuid.uuid4().hex}".encode()  # tells peers our rank
 
     def _peer_of_address(self, address: str) -> int:
         return parse_address(address)[0]
