@@ -1,5 +1,6 @@
-"""The native bf16 decode matmul (`tetriinfer.engine.cpu_kernels`): numerics against an fp32 reference, shapes
-that exercise every remainder path, its use by `Linear`, and the fallbacks when it is off or cannot build."""
+"""The native decode kernels (`tetriinfer.engine.cpu_kernels`): the few-row matmul (bf16 and fp32) and paged decode
+attention against fp32 references over shapes that exercise every remainder path, their use by `Linear` and the
+engine, and the fallbacks when they are off or cannot build."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.cpu_info import cpu_flags, cpu_has_native
-from tetriinfer.engine.models.layers import Linear, use_gemv_bf16
+from tetriinfer.engine.models.layers import GEMV_F32_MAX_ROWS, Linear, use_gemv
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.kernels_available(),
                                   reason="no AVX2/FMA CPU or no C compiler: the kernel is not built here")
@@ -36,7 +37,7 @@ def test_gemv_bf16_matches_fp32_reference(m: int, n: int, k: int, bias: bool) ->
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    got = cpu_kernels.gemv_bf16(x, w, b)
+    got = cpu_kernels.gemv(x, w, b)
     want = reference(x, w, b)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     # same products in fp32, different summation order: at most one bf16 rounding step apart
@@ -48,20 +49,69 @@ def test_gemv_bf16_matches_fp32_reference(m: int, n: int, k: int, bias: bool) ->
 def test_gemv_bf16_is_exact_on_representable_sums_and_rounds_to_nearest_even() -> None:
     x = torch.tensor([[1.0, 2.0, -3.0, 0.5]]).bfloat16()
     w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [256.0, 1.0, 0.0, 0.0]]).bfloat16()
-    got = cpu_kernels.gemv_bf16(x, w, None)
+    got = cpu_kernels.gemv(x, w, None)
     assert got.tolist() == [[0.5, 0.0, 258.0]]
     # 256 + 1.5 = 257.5 is not a bf16 (neighbours 256, 258): rounded exactly as torch rounds the fp32 sum
     x2 = torch.tensor([[1.0, 1.5]]).bfloat16()
     w2 = torch.tensor([[256.0, 1.0]]).bfloat16()
-    assert cpu_kernels.gemv_bf16(x2, w2, None).item() == torch.tensor(257.5).bfloat16().item()
+    assert cpu_kernels.gemv(x2, w2, None).item() == torch.tensor(257.5).bfloat16().item()
 
 
 @needs_kernel
 def test_gemv_bf16_rejects_mismatched_shapes() -> None:
-    with pytest.raises(ValueError, match="gemv_bf16"):
-        cpu_kernels.gemv_bf16(torch.zeros(1, 4).bfloat16(), torch.zeros(3, 5).bfloat16(), None)
-    with pytest.raises(ValueError, match="gemv_bf16"):
-        cpu_kernels.gemv_bf16(torch.zeros(1, 4).bfloat16(), torch.zeros(3, 4).bfloat16(), torch.zeros(2).bfloat16())
+    with pytest.raises(ValueError, match="gemv"):
+        cpu_kernels.gemv(torch.zeros(1, 4).bfloat16(), torch.zeros(3, 5).bfloat16(), None)
+    with pytest.raises(ValueError, match="gemv"):
+        cpu_kernels.gemv(torch.zeros(1, 4).bfloat16(), torch.zeros(3, 4).bfloat16(), torch.zeros(2).bfloat16())
+    with pytest.raises(ValueError, match="gemv"):  # mixed dtypes
+        cpu_kernels.gemv(torch.zeros(1, 4), torch.zeros(3, 4).bfloat16(), None)
+    with pytest.raises(ValueError, match="gemv"):  # unsupported dtype
+        cpu_kernels.gemv(torch.zeros(1, 4).half(), torch.zeros(3, 4).half(), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 15), (2, 5, 17), (3, 64, 100), (4, 9, 48),
+                                           (5, 130, 768), (7, 6, 8), (15, 257, 96), (32, 70, 384), (64, 3, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_fp32_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
+    """Every (weight rows % 4, x rows % 3, K % 8) remainder path, against an fp64 reference: the kernel's error is
+    an fp32 summation-order error, no larger than torch's own."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k + 7)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_kernels.gemv(x, w, b)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    bound = 1e-6 * (x.double().abs() @ w.double().abs().T).clamp_min(1.0) * max(k, 1) ** 0.5
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@needs_kernel
+def test_linear_uses_the_fp32_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tetriinfer.engine.models.layers as layers
+
+    lin = Linear(40, 24, bias=True)
+    calls: list[int] = []
+    monkeypatch.setattr(layers, "gemv", lambda x, w, b: calls.append(x.shape[0]) or cpu_kernels.gemv(x, w, b))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows in (1, 3, GEMV_F32_MAX_ROWS):
+                x = torch.randn(rows, 40)
+                assert use_gemv(x, lin.weight)
+                torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
+                                           rtol=1e-5, atol=1e-5)
+            assert calls == [1, 3, GEMV_F32_MAX_ROWS]
+            lin(torch.randn(GEMV_F32_MAX_ROWS + 1, 40))  # prefill-sized: torch's blocked GEMM
+            assert calls == [1, 3, GEMV_F32_MAX_ROWS]
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            lin(torch.randn(2, 40))  # several threads: torch's parallel kernels
+        assert calls == [1, 3, GEMV_F32_MAX_ROWS]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
@@ -74,14 +124,14 @@ def test_linear_uses_the_kernel_for_few_bf16_rows_only() -> None:
     try:
         with torch.inference_mode():
             x = torch.randn(3, 48).bfloat16()
-            assert use_gemv_bf16(x, lin.weight)
+            assert use_gemv(x, lin.weight)
             got = lin(x)
             ulp = reference(x, lin.weight, lin.bias).float().abs().clamp_min(1e-3) * 2.0**-7
             assert bool(((got.float() - reference(x, lin.weight, lin.bias).float()).abs() <= ulp).all())
-            assert not use_gemv_bf16(x.float(), lin.weight.float())  # fp32: torch
+            assert not use_gemv(x, lin.weight.float())  # mixed dtypes: torch
         torch.set_num_threads(2)
         with torch.inference_mode():
-            assert not use_gemv_bf16(x, lin.weight)  # several threads: torch's parallel kernels
+            assert not use_gemv(x, lin.weight)  # several threads: torch's parallel kernels
     finally:
         torch.set_num_threads(threads)
 
@@ -117,14 +167,14 @@ def attention_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slo
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 16), (7, 1, 24), (16, 2, 13),
-                                                             (6, 3, 8), (4, 4, 5)])
+                                                             (6, 3, 8), (4, 4, 5), (4, 2, 128), (3, 1, 76)])
 def test_decode_attention_matches_fp32_reference(heads: int, kv_heads: int, head_dim: int,
                                                  dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + head_dim)
     slots_total = 300
     kc = (2 * torch.randn(slots_total, kv_heads, head_dim, generator=g)).to(dtype)
     vc = torch.randn(slots_total, kv_heads, head_dim, generator=g).to(dtype)
-    lengths = torch.tensor([1, 2, 9, 100, 17])
+    lengths = torch.tensor([1, 2, 9, 100, 17, 8, 16])  # 8-key passes, their tails, and tails alone
     slots = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)
     for i, n in enumerate(lengths.tolist()):
         slots[i, :n] = torch.randperm(slots_total, generator=g)[:n]  # scattered blocks, padding left at slot 0

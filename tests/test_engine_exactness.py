@@ -48,8 +48,8 @@ def references(tiny_models: dict[str, Path]) -> dict[str, tuple[list[list[int]],
     return refs
 
 
-def _run(path: Path, prompts, chunk_size: int, block_size: int):
-    llm = LLM(model=str(path), dtype="float32", chunk_size=chunk_size, block_size=block_size)
+def _run(path: Path, prompts, chunk_size: int, block_size: int, num_threads: int | None = None):
+    llm = LLM(model=str(path), dtype="float32", chunk_size=chunk_size, block_size=block_size, num_threads=num_threads)
     runner = llm.engine.runner
     runner.logits_sink = {}
     shapes: list[tuple[int, int]] = []  # (segments, padding) of each prefill step
@@ -84,6 +84,31 @@ def test_greedy_and_logits_match_transformers(tiny_models, references, arch, chu
     # Several requests shared a chunk, and the last chunk was padded.
     assert max(n for n, _ in shapes) > 1
     assert any(pad > 0 for _, pad in shapes)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_one_thread_serving_layout_matches_transformers(tiny_models, references, arch):
+    """One torch thread, as a serving instance runs: decode matmuls and attention go to the native kernels where
+    this CPU has them (`tetriinfer.engine.cpu_kernels`); greedy tokens and logits must still match HF."""
+    from tetriinfer.engine import cpu_kernels
+
+    prompts, ref_tokens, ref_logits = references[arch]
+    threads = torch.get_num_threads()
+    calls: list[int] = []
+    real_gemv = cpu_kernels.gemv
+    import tetriinfer.engine.models.layers as layers
+
+    layers.gemv = lambda x, w, b: calls.append(1) or real_gemv(x, w, b)
+    try:
+        outs, logits, _ = _run(tiny_models[arch], prompts, 64, 16, num_threads=1)
+    finally:
+        layers.gemv = real_gemv
+        torch.set_num_threads(threads)
+    assert bool(calls) == cpu_kernels.kernels_available()  # the kernel path really ran (where it can)
+    for i, (o, ref) in enumerate(zip(outs, ref_tokens, strict=True)):
+        assert o.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverged"
+        diff = (logits[i] - ref_logits[i]).abs().max().item()
+        assert diff < 1e-4, f"prompt {i}: max |logit diff| {diff}"
 
 
 def test_padding_changes_nothing(tiny_llama):

@@ -1,8 +1,9 @@
 """Native AVX2 CPU kernels for decode, where torch is slow: bf16 on CPUs without bf16 instructions, and attention.
 
-`gemv_bf16(x, weight, bias)`: the few-row (decode) bf16 linear layer, y = x @ weight.T + bias, products and sums in
-fp32, output rounded to bf16. torch's bf16 GEMV reads ~6 GB/s on such a CPU; this kernel streams the weights once
-at close to the memory bandwidth.
+`gemv(x, weight, bias)`: the few-row (decode) linear layer, y = x @ weight.T + bias, in bf16 (products and sums in
+fp32, output rounded to bf16) or fp32. torch's bf16 GEMV reads ~6 GB/s on such a CPU and its fp32 GEMM with 1-16 rows
+~4-6 GB/s (per-row cost grows fast: it is not written for few rows); this kernel streams the weights once at close
+to the memory bandwidth and applies them to every row while they are in cache.
 `decode_attn(q, k_cache, v_cache, slots, lengths)`: decode attention over the paged KV cache (bf16 or fp32), reading
 K/V in place (torch needs a gather, two fp32 copies and small batched matmuls: ~250 us per layer at batch 1).
 Source: `csrc/decode_kernels.c`.
@@ -81,15 +82,17 @@ def _load() -> ctypes.CDLL | None:
                 return None
             _build(cc, lib)
         dll = ctypes.CDLL(str(lib))
-        gemv, attn = dll.tetri_gemv_bf16, dll.tetri_decode_attn_bf16
+        gemvs = (dll.tetri_gemv_bf16, dll.tetri_gemv_f32)
+        attns = (dll.tetri_decode_attn_bf16, dll.tetri_decode_attn_f32)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("bf16 CPU kernel unavailable (%s %s): torch's kernels are used", e,
                     detail.decode(errors="replace")[:500])
         return None
-    gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    gemv.restype = ctypes.c_int
-    for fn in (attn, dll.tetri_decode_attn_f32):
+    for fn in gemvs:
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        fn.restype = ctypes.c_int
+    for fn in attns:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
         fn.restype = ctypes.c_int
     return dll
@@ -99,20 +102,24 @@ def kernels_available() -> bool:
     return _load() is not None
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[M, K] bf16 @ [N, K].T bf16 (+ [N] bf16) -> [M, N] bf16 on CPU; M <= MAX_ROWS. Call only when
-    `kernels_available()`; inputs must be contiguous CPU bf16 tensors."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[M, K] @ [N, K].T (+ [N]) -> [M, N] on CPU, all bf16 or all fp32; M <= MAX_ROWS. Call only when
+    `kernels_available()`; inputs must be contiguous CPU tensors of one dtype."""
     dll = _load()
     assert dll is not None
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)) or m > MAX_ROWS:
-        raise ValueError(f"gemv_bf16: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"bias {None if bias is None else tuple(bias.shape)}")
-    y = torch.empty((m, n), dtype=torch.bfloat16)
-    rc = dll.tetri_gemv_bf16(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    dtype = x.dtype
+    if (weight.shape[1] != k or (bias is not None and bias.shape != (n,)) or m > MAX_ROWS
+            or dtype not in (torch.bfloat16, torch.float32) or weight.dtype != dtype
+            or (bias is not None and bias.dtype != dtype)):
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+                         f"bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    y = torch.empty((m, n), dtype=dtype)
+    fn = dll.tetri_gemv_f32 if dtype == torch.float32 else dll.tetri_gemv_bf16
+    rc = fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
     if rc != 0:
-        raise MemoryError("gemv_bf16: out of memory for its scratch buffer")
+        raise MemoryError("gemv: out of memory for its scratch buffer")
     return y
 
 

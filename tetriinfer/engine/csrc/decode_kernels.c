@@ -1,4 +1,5 @@
-/* Decode kernels, AVX2 + FMA: a few-row bf16 matmul for CPUs without native bf16 instructions (tetri_gemv_bf16)
+/* Decode kernels, AVX2 + FMA: a few-row bf16 matmul for CPUs without native bf16 instructions (tetri_gemv_bf16),
+ * the same few-row matmul in fp32 (tetri_gemv_f32: torch's small-M fp32 GEMM reaches ~40% of the read bandwidth)
  * and paged decode attention over bf16 or fp32 KV caches (tetri_decode_attn_bf16 / _f32, below).
  *
  * y[m, n] = bf16( sum_k float(x[m, k]) * float(w[n, k]) + float(bias[n]) ),  0 <= m < M, 0 <= n < N
@@ -42,29 +43,98 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* R rows of x (fp32, stride K) against one weight row; R is a compile-time constant after inlining. Two
- * accumulators per row hide the FMA latency. (Streaming 4 weight rows at once, unrolling to 32 elements or
- * software prefetching measured no faster here: one row at a time already runs at the read bandwidth.) */
-static inline __attribute__((always_inline)) void rows_dot(const float *xf, int64_t K, const uint16_t *wr,
-                                                            int R, float *out) {
-    __m256 a0[4], a1[4];
-    for (int r = 0; r < R; r++) {
-        a0[r] = _mm256_setzero_ps();
-        a1[r] = _mm256_setzero_ps();
-    }
+/* 8 lanes of an fp32 or bf16 array at element index i (F32 is a compile-time constant after inlining) */
+static inline __attribute__((always_inline)) __m256 kv8(const void *p, int64_t i, int F32) {
+    return F32 ? _mm256_loadu_ps((const float *)p + i) : load8((const uint16_t *)p + i);
+}
+
+static inline __attribute__((always_inline)) float kv1(const void *p, int64_t i, int F32) {
+    return F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* One tile: NB consecutive weight rows (fp32 or bf16, stride K) against R rows of x (fp32, stride K):
+ * out[r * 4 + j] = dot(x[r], w[j]). NB <= 4, R <= TILE_R and F32 are compile-time constants after inlining, so the
+ * NB x R accumulators stay in registers: each 8-lane weight load feeds R FMAs and each x load NB FMAs (with one
+ * weight row against one x row the loop is bound by loads, not FMAs, once there are several rows). */
+#define TILE_R 3
+#define PF_AHEAD 8
+static inline __attribute__((always_inline)) void tile_dot(const float *xf, int64_t K, const void *w, int NB, int R,
+                                                            float *out, const char *pf, int F32) {
+    int64_t esz = F32 ? 4 : 2;
+    __m256 acc[TILE_R][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m256 w0 = load8(wr + k), w1 = load8(wr + k + 8);
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = kv8((const char *)w + j * K * esz, k, F32);
+        if (pf && (k & 15) == 0) /* the next weight rows, one 64-byte line per row per 16 elements of fp32 */
+            for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * esz, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
-            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xf + r * K + k), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xf + r * K + k + 8), a1[r]);
+            __m256 xv = _mm256_loadu_ps(xf + r * K + k);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float s = hsum(_mm256_add_ps(a0[r], a1[r]));
-        for (int64_t j = k; j < K; j++) s += xf[r * K + j] * bf16_to_f32(wr[j]);
-        out[r] = s;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) {
+            const void *wr = (const char *)w + j * K * esz;
+            float s = hsum(acc[r][j]);
+            for (int64_t t = k; t < K; t++) s += xf[r * K + t] * kv1(wr, t, F32);
+            out[r * 4 + j] = s;
+        }
+}
+
+#define TILE_CASE(nb, r) tile_dot(xr, K, wr, nb, r, out, pf, F32)
+static inline __attribute__((always_inline)) void tile_any(const float *xr, int64_t K, const void *wr, int NB, int R,
+                                                            float *out, const char *pf, int F32) {
+    switch (NB * 4 + R) { /* every (NB, R) pair gets its own fully unrolled body */
+        case 4 + 1: TILE_CASE(1, 1); break;
+        case 4 + 2: TILE_CASE(1, 2); break;
+        case 4 + 3: TILE_CASE(1, 3); break;
+        case 8 + 1: TILE_CASE(2, 1); break;
+        case 8 + 2: TILE_CASE(2, 2); break;
+        case 8 + 3: TILE_CASE(2, 3); break;
+        case 12 + 1: TILE_CASE(3, 1); break;
+        case 12 + 2: TILE_CASE(3, 2); break;
+        case 12 + 3: TILE_CASE(3, 3); break;
+        case 16 + 1: TILE_CASE(4, 1); break;
+        case 16 + 2: TILE_CASE(4, 2); break;
+        default: TILE_CASE(4, 3); break;
     }
+}
+
+/* y = x @ w.T + bias over fp32 activations xf [M, K]; w, bias, y in fp32 (F32) or bf16 (output rounded once).
+ * Weight rows go four at a time; each group is read from memory once and applied to every row of x (TILE_R rows
+ * per pass, the group stays in L1 between passes). */
+static inline __attribute__((always_inline)) void gemv_rows(const float *xf, const void *w, const void *bias,
+                                                             void *y, int64_t M, int64_t N, int64_t K, int F32) {
+    int64_t esz = F32 ? 4 : 2;
+    float out[TILE_R * 4];
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        int NB = N - n0 < 4 ? (int)(N - n0) : 4;
+        const void *wr = (const char *)w + n0 * K * esz;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_R) {
+            int R = M - m0 < TILE_R ? (int)(M - m0) : TILE_R;
+            const float *xr = xf + m0 * K;
+            /* first pass over a group: prefetch the group PF_AHEAD groups on (memory latency overlaps compute) */
+            const char *pf = m0 == 0 && n0 + 4 * PF_AHEAD < N ? (const char *)wr + 4 * PF_AHEAD * K * esz : NULL;
+            tile_any(xr, K, wr, NB, R, out, pf, F32);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < NB; j++) {
+                    float v = out[r * 4 + j] + (bias ? kv1(bias, n0 + j, F32) : 0.0f);
+                    if (F32)
+                        ((float *)y)[(m0 + r) * N + n0 + j] = v;
+                    else
+                        ((uint16_t *)y)[(m0 + r) * N + n0 + j] = f32_to_bf16(v);
+                }
+        }
+    }
+}
+
+/* fp32: x [M, K], w [N, K], bias [N] or NULL, y [M, N]; no scratch memory. Returns 0. */
+int tetri_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    gemv_rows(x, w, bias, y, M, N, K, 1);
+    return 0;
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
@@ -73,22 +143,7 @@ int tetri_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
     float *xf = (float *)malloc((size_t)(M * K + 1) * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    float out[4];
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *wr = w + n * K;
-        float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int64_t R = M - m0 < 4 ? M - m0 : 4;
-            const float *xr = xf + m0 * K;
-            switch (R) {
-                case 1: rows_dot(xr, K, wr, 1, out); break;
-                case 2: rows_dot(xr, K, wr, 2, out); break;
-                case 3: rows_dot(xr, K, wr, 3, out); break;
-                default: rows_dot(xr, K, wr, 4, out); break;
-            }
-            for (int64_t r = 0; r < R; r++) y[(m0 + r) * N + n] = f32_to_bf16(out[r] + b);
-        }
-    }
+    gemv_rows(xf, w, bias, y, M, N, K, 0);
     free(xf);
     return 0;
 }
@@ -102,50 +157,52 @@ int tetri_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
  * tetri_decode_attn_f32 (F32 below is a compile-time constant in each).
  * Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
 
-/* 8 lanes of K/V at element index i of an fp32 or bf16 array */
-static inline __attribute__((always_inline)) __m256 kv8(const void *p, int64_t i, int F32) {
-    return F32 ? _mm256_loadu_ps((const float *)p + i) : load8((const uint16_t *)p + i);
+/* The 8 horizontal sums of a[0..7] as one vector (lane i = sum of a[i]): a tree of hadds, ~10 instructions for 8
+ * sums instead of ~7 each. */
+static inline __m256 hsum8(const __m256 *a) {
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* s0123 lanes: [a0 a1 a2 a3 | a0 a1 a2 a3] halves (low 128: low halves of the sums, high 128: high halves) */
+    __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    return _mm256_add_ps(lo, hi);
 }
 
-static inline __attribute__((always_inline)) float kv1(const void *p, int64_t i, int F32) {
-    return F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-/* Scores of GN query heads (rows of q, stride D) against two keys: 2 x GN independent FMA chains (one chain per
- * dot would be latency-bound); GN and F32 are compile-time constants after inlining. */
-static inline __attribute__((always_inline)) void dots2(const float *q, int64_t D, int GN, const void *k0,
-                                                         const void *k1, float *o0, float *o1, int F32) {
-    __m256 a0[4], a1[4];
-    for (int g = 0; g < GN; g++) {
-        a0[g] = _mm256_setzero_ps();
-        a1[g] = _mm256_setzero_ps();
+/* Scores of one query head q (fp32, D) against the keys in rows[0..7] (8 slots' K of one kv head, fp32 or bf16):
+ * 8 independent FMA chains, reduced together by hsum8. Requires D % 8 == 0 (callers handle other D). */
+static inline __attribute__((always_inline)) __m256 dots8(const float *q, int64_t D, const char *const *rows,
+                                                           int F32) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 qq = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qq, kv8(rows[i], d, F32), a[i]);
     }
+    return hsum8(a);
+}
+
+static inline __attribute__((always_inline)) float dot1(const float *q, int64_t D, const void *k, int F32) {
+    __m256 a = _mm256_setzero_ps();
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-        __m256 x0 = kv8(k0, d, F32), x1 = kv8(k1, d, F32);
-        for (int g = 0; g < GN; g++) {
-            __m256 qq = _mm256_loadu_ps(q + g * D + d);
-            a0[g] = _mm256_fmadd_ps(qq, x0, a0[g]);
-            a1[g] = _mm256_fmadd_ps(qq, x1, a1[g]);
-        }
-    }
-    for (int g = 0; g < GN; g++) {
-        float s0 = hsum(a0[g]), s1 = hsum(a1[g]);
-        for (int64_t t = d; t < D; t++) {
-            s0 += q[g * D + t] * kv1(k0, t, F32);
-            s1 += q[g * D + t] * kv1(k1, t, F32);
-        }
-        o0[g] = s0;
-        o1[g] = s1;
-    }
+    for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv8(k, d, F32), a);
+    float s = hsum(a);
+    for (; d < D; d++) s += q[d] * kv1(k, d, F32);
+    return s;
 }
 
-static inline __attribute__((always_inline)) void axpy(float *acc, float p, const void *v, int64_t D, int F32) {
-    __m256 pp = _mm256_set1_ps(p);
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pp, kv8(v, d, F32), _mm256_loadu_ps(acc + d)));
-    for (; d < D; d++) acc[d] += p * kv1(v, d, F32);
+/* out[0 .. 8*NV) = sum_l p[l] * v_l[d0 .. d0 + 8*NV) over n slots (V rows of one kv head at rows[l]); NV <= 8
+ * accumulators stay in registers (one load + one FMA per 8 lanes per slot, no stores in the loop). */
+static inline __attribute__((always_inline)) void wsum_chunk(const float *p, int64_t n, const char *vbase,
+                                                              const int64_t *sl, int64_t row_bytes, int64_t d0,
+                                                              int NV, float *out, int F32) {
+    __m256 a[8];
+    for (int v = 0; v < NV; v++) a[v] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < n; l++) {
+        const char *vr = vbase + sl[l] * row_bytes;
+        __m256 pp = _mm256_set1_ps(p[l]);
+        for (int v = 0; v < NV; v++) a[v] = _mm256_fmadd_ps(pp, kv8(vr, d0 + 8 * v, F32), a[v]);
+    }
+    for (int v = 0; v < NV; v++) _mm256_storeu_ps(out + d0 + 8 * v, a[v]);
 }
 
 /* exp of 8 lanes (Cephes' single-precision polynomial, ~1 ulp on [-87, 88]; -> 0 below). */
@@ -190,28 +247,20 @@ static inline __attribute__((always_inline)) int decode_attn(const void *q, cons
         int64_t n = lengths[b] < L ? lengths[b] : L;
         const int64_t *sl = slots + b * L;
         for (int64_t i = 0; i < H * D; i++) qf[i] = kv1(q, b * H * D + i, F32) * scale;
-        /* scores, key-major: each slot's K row (all kv heads) is read once, two slots per pass */
-        for (int64_t l = 0; l < n; l += 2) {
-            const char *r0 = kc + sl[l] * row * esz;
-            const char *r1 = l + 1 < n ? kc + sl[l + 1] * row * esz : r0;
-            for (int64_t h0 = 0; h0 < H;) {  /* blocks of <= 4 query heads within one kv head */
-                int64_t hk = h0 / G, gn = G - h0 % G;
-                gn = gn < 4 ? gn : 4;
-                float o0[4], o1[4];
-                const float *qh = qf + h0 * D;
-                const void *k0 = r0 + hk * D * esz, *k1 = r1 + hk * D * esz;
-                switch (gn) {
-                    case 1: dots2(qh, D, 1, k0, k1, o0, o1, F32); break;
-                    case 2: dots2(qh, D, 2, k0, k1, o0, o1, F32); break;
-                    case 3: dots2(qh, D, 3, k0, k1, o0, o1, F32); break;
-                    default: dots2(qh, D, 4, k0, k1, o0, o1, F32); break;
+        /* scores: per query head, 8 keys per pass (the 8 K rows of a pass stay in L1 for the G heads that share
+         * their kv head); a tail of < 8 keys, or D not a multiple of 8, goes one key at a time */
+        for (int64_t h = 0; h < H; h++) {
+            int64_t hk = h / G;
+            const float *qh = qf + h * D;
+            float *sh = s + h * Lp;
+            int64_t l = 0;
+            if (D % 8 == 0)
+                for (; l + 8 <= n; l += 8) {
+                    const char *rows[8];
+                    for (int i = 0; i < 8; i++) rows[i] = kc + (sl[l + i] * row + hk * D) * esz;
+                    _mm256_storeu_ps(sh + l, dots8(qh, D, rows, F32));
                 }
-                for (int64_t g = 0; g < gn; g++) {
-                    s[(h0 + g) * Lp + l] = o0[g];
-                    if (l + 1 < n) s[(h0 + g) * Lp + l + 1] = o1[g];
-                }
-                h0 += gn;
-            }
+            for (; l < n; l++) sh[l] = dot1(qh, D, kc + (sl[l] * row + hk * D) * esz, F32);
         }
         for (int64_t h = 0; h < H; h++) {  /* softmax per query head, 8 scores at a time */
             float *sh = s + h * Lp;
@@ -232,11 +281,31 @@ static inline __attribute__((always_inline)) int decode_attn(const void *q, cons
             float inv = n > 0 ? 1.0f / sum : 0.0f;
             for (l = 0; l < n; l++) sh[l] *= inv;
         }
-        /* weighted values, key-major: each slot's V row read once for every query head */
-        memset(acc, 0, (size_t)(H * D) * sizeof(float));
-        for (int64_t l = 0; l < n; l++) {
-            const char *vr = vc + sl[l] * row * esz;
-            for (int64_t h = 0; h < H; h++) axpy(acc + h * D, s[h * Lp + l], vr + (h / G) * D * esz, D, F32);
+        /* weighted values: per query head and 64-lane chunk of D, accumulators in registers over all slots */
+        for (int64_t h = 0; h < H; h++) {
+            const char *vbase = vc + (h / G) * D * esz;
+            const float *ph = s + h * Lp;
+            float *oh = acc + h * D;
+            int64_t nvec = D / 8;
+            for (int64_t v0 = 0; v0 < nvec; v0 += 8) {
+                int64_t d0 = 8 * v0;
+                switch (nvec - v0 >= 8 ? 8 : nvec - v0) {
+                    case 1: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 1, oh, F32); break;
+                    case 2: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 2, oh, F32); break;
+                    case 3: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 3, oh, F32); break;
+                    case 4: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 4, oh, F32); break;
+                    case 5: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 5, oh, F32); break;
+                    case 6: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 6, oh, F32); break;
+                    case 7: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 7, oh, F32); break;
+                    default: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 8, oh, F32); break;
+                }
+            }
+            int64_t d0 = 8 * nvec;
+            for (int64_t d = d0; d < D; d++) {  /* D % 8 tail lanes */
+                float t = 0.0f;
+                for (int64_t l = 0; l < n; l++) t += ph[l] * kv1(vbase + sl[l] * row * esz, d, F32);
+                oh[d] = t;
+            }
         }
         if (F32)
             memcpy((float *)out + b * H * D, acc, (size_t)(H * D) * sizeof(float));

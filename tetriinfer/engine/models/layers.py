@@ -9,35 +9,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetriinfer.engine.cpu_info import cpu_has_native
-from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv_bf16, kernels_available
+from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv, kernels_available
 
 # Below this many rows a reduced-precision matmul stays native: it is memory-bound (decode), and reading
 # the weights once in bf16 beats converting them to fp32 first.
 UPCAST_MIN_ROWS = 16
+# fp32 matmuls of at most this many rows (decode batches) go to the native kernel: it reads the weights once at
+# the memory bandwidth for the whole batch; past ~32 rows torch's blocked GEMM is compute-efficient enough.
+GEMV_F32_MAX_ROWS = 32
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that, on CPUs without native bf16 / fp16 instructions, computes
     reduced-precision matmuls of >= UPCAST_MIN_ROWS rows in fp32 (AVX2: torch's bf16 GEMM runs ~5x slower than
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
-    `tetriinfer.engine.cpu_kernels` when it is available and the engine runs one torch thread. Same arithmetic as
-    a native reduced-precision GEMM (products and sums in fp32, output rounded to the model dtype); only the
-    summation order differs. fp32 and CUDA are untouched."""
+    `tetriinfer.engine.cpu_kernels` when it is available and the engine runs one torch thread; fp32 matmuls of at
+    most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions. Same arithmetic as
+    torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
+    CUDA is untouched."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if x.dtype != torch.float32 and x.device.type == "cpu" and x.dim() == 2 and not cpu_has_native(x.dtype):
-            if x.shape[0] >= UPCAST_MIN_ROWS:
-                bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-            if use_gemv_bf16(x, self.weight):
-                return gemv_bf16(x.contiguous(), self.weight, self.bias)
+        if x.device.type == "cpu" and x.dim() == 2:
+            if x.dtype == torch.float32:
+                if x.shape[0] <= GEMV_F32_MAX_ROWS and use_gemv(x, self.weight):
+                    return gemv(x.contiguous(), self.weight, self.bias)
+            elif not cpu_has_native(x.dtype):
+                if x.shape[0] >= UPCAST_MIN_ROWS:
+                    bias = None if self.bias is None else self.bias.float()
+                    return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+                if use_gemv(x, self.weight):
+                    return gemv(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-def use_gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a few-row bf16 matmul of `x` [T, in] by `weight` [out, in] goes to the native AVX2 kernel."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous()
-            and not torch.is_grad_enabled() and torch.get_num_threads() == 1 and kernels_available())
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a few-row matmul of `x` [T, in] by `weight` [out, in] (both bf16 or both fp32) can go to the native
+    AVX2 kernel: a CPU with the kernels built, one torch thread (the kernel is single-threaded), inference mode."""
+    return (x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float32) and 0 < x.shape[0] <= MAX_ROWS
+            and weight.is_contiguous() and not torch.is_grad_enabled() and torch.get_num_threads() == 1
+            and kernels_available())
 
 
 class RMSNorm(nn.Module):
