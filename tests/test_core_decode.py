@@ -255,3 +255,99 @@ def test_abort_anywhere_frees_blocks_and_ignores_the_inflight_step() -> None:
     assert sched.abort("d") is d and sched.abort("b") is b
     assert sched.kv.num_free_blocks == 6 and not sched.has_unfinished()
     assert sched.schedule().finished_request_ids  # the ends are reported to the executor
+
+
+# ---- conditional disaggregation: requests prefilled at the decode instance (admit_local) --------------
+def fresh(rid: str, n_prompt: int, max_tokens: int) -> Request:
+    return Request(rid, [5] * n_prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def test_local_prefill_runs_in_chunks_alongside_decodes_then_decodes() -> None:
+    cfg = DecodeSchedulerConfig(max_model_len=4096, local_prefill_chunk=8)
+    sched = DecodeScheduler(cfg, KVCacheManager(64, BS))
+    assert admit(sched, prefilled("d", 4, 10))
+    assert sched.admit_local(fresh("loc", 20, 3))
+    assert sched.load_report("i", 0.0).num_prefill_tokens == 20
+    kinds, loc_tokens = [], []
+    for _ in range(3):  # 20 prompt tokens in chunks of 8, 8, 4; the running decode never stalls
+        out, _ = step(sched)
+        segs = {s.request_id: s for s in out.segments}
+        assert segs["d"].num_tokens == 1 and segs["d"].sample
+        loc_tokens.append(segs["loc"].num_tokens)
+        kinds.append(out.kind)
+        assert segs["loc"].sample == (len(loc_tokens) == 3)  # only the last chunk samples the first token
+    assert loc_tokens == [8, 8, 4] and set(kinds) == {StepKind.MIXED}
+    loc = sched.requests["loc"]
+    assert loc.num_output_tokens == 1 and loc.num_computed_tokens == 20
+    assert sched.load_report("i", 0.0).num_prefill_tokens == 0
+    out, finished = step(sched)
+    assert {s.request_id: s.num_tokens for s in out.segments} == {"d": 1, "loc": 1}
+    ended = [r.request_id for r in finished]
+    for _ in range(20):
+        ended += [r.request_id for r in step(sched)[1]]
+    assert sorted(ended) == ["d", "loc"]
+    assert not sched.has_unfinished() and sched.kv.num_used_blocks == 0
+    sched.check_invariants()
+
+
+def test_local_prefill_budget_is_shared_oldest_first() -> None:
+    cfg = DecodeSchedulerConfig(max_model_len=4096, local_prefill_chunk=10)
+    sched = DecodeScheduler(cfg, KVCacheManager(64, BS))
+    assert sched.admit_local(fresh("a", 7, 2)) and sched.admit_local(fresh("b", 7, 2))
+    out, _ = step(sched)
+    assert [(s.request_id, s.num_tokens) for s in out.segments] == [("a", 7), ("b", 3)]
+    out, _ = step(sched)
+    assert [(s.request_id, s.num_tokens) for s in out.segments] == [("a", 1), ("b", 4)]
+    assert sched.requests["b"].num_output_tokens == 1
+    sched.check_invariants()
+
+
+def test_admit_local_refuses_like_reserve_and_rejects_bad_requests() -> None:
+    sched = make("greedy", 4, max_num_seqs=2)  # 4 blocks of 4 tokens
+    with pytest.raises(ValueError, match="unprefilled"):
+        sched.admit_local(prefilled("p", 4, 4))
+    with pytest.raises(ValueError, match="cannot fit"):
+        sched.admit_local(fresh("big", 16, 4))  # 16 + 1 tokens need 5 blocks
+    assert sched.admit_local(fresh("a", 7, 4))  # 2 blocks
+    assert not sched.admit_local(fresh("b", 8, 4))  # 3 blocks, 2 free: refused, nothing held
+    assert sched.admit_local(fresh("c", 3, 4))
+    assert not sched.admit_local(fresh("d", 1, 4))  # no seat left (max_num_seqs=2)
+    assert sched.kv.num_used_blocks == 3 and set(sched.requests) == {"a", "c"}
+    static = make("reserve-static", 8)
+    assert static.admit_local(fresh("s", 4, 12))  # target: 4 + 12 tokens -> 4 blocks held at once
+    assert static.kv.num_blocks_of("s") == 4
+    assert not static.admit_local(fresh("t", 4, 30))  # target 9 blocks > 4 free
+    static.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=12),
+       st.integers(8, 40), st.integers(1, 16))
+def test_mixed_local_and_transferred_requests_all_end_and_free_every_block(reqs, blocks, chunk) -> None:
+    """Random mixes of handed-over and locally prefilled requests on a small pool: every admitted request
+    finishes exactly once, blocks are conserved at every step and all come back."""
+    cfg = DecodeSchedulerConfig(max_model_len=4096, local_prefill_chunk=chunk)
+    sched = DecodeScheduler(cfg, KVCacheManager(blocks, BS))
+    waiting = [(f"r{i}", local, n, m) for i, (local, n, m) in enumerate(reqs)]
+    admitted: set[str] = set()
+    done: list[str] = []
+    for _ in range(2000):
+        while waiting:
+            rid, local, n, m = waiting[0]
+            try:
+                ok = sched.admit_local(fresh(rid, n, m)) if local else admit(sched, prefilled(rid, n, m))
+            except ValueError:
+                waiting.pop(0)  # can never fit this pool: refused cleanly
+                continue
+            if not ok:
+                break
+            admitted.add(rid)
+            waiting.pop(0)
+        if not sched.has_unfinished() and not waiting:
+            break
+        _, finished = step(sched)
+        done.extend(r.request_id for r in finished)
+        sched.check_invariants()
+        assert sched.kv.num_free_blocks + sched.kv.num_used_blocks == blocks
+    assert sorted(done) == sorted(admitted) and len(done) == len(set(done))
+    assert sched.kv.num_used_blocks == 0

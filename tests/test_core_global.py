@@ -64,3 +64,80 @@ def test_lifecycle_and_exactly_one_terminal_phase() -> None:
     g.route("b", [prefill("p0", 0)], now=0.0)
     g.reroute("b")
     assert g.get("b").phase is Phase.ARRIVED and [r.request_id for r in g.active()] == ["b"]
+
+
+# ---- conditional disaggregation (LocalPrefillConfig) ------------------------------------------------
+def decode(iid: str, running: int = 0, free: int = 100, prefill_tokens: int = 0, t: float = 0.0,
+           state: InstanceState = InstanceState.ACTIVE) -> LoadReport:
+    return LoadReport(iid, Role.DECODE, state, time=t, num_running=running, num_free_blocks=free,
+                      num_used_blocks=0, block_size=16, num_prefill_tokens=prefill_tokens)
+
+
+def local_policy(weight: float = 0.25, **kw) -> GlobalPolicy:
+    from tetriinfer.core.global_policy import LocalPrefillConfig
+
+    return GlobalPolicy(LocalPrefillConfig(enabled=True, interference_weight=weight, **kw))
+
+
+def test_local_prefill_is_off_by_default_and_validated() -> None:
+    from tetriinfer.core.global_policy import LocalPrefillConfig
+
+    g = GlobalPolicy()
+    g.add("a", now=0.0, num_prompt_tokens=100)
+    assert g.route("a", [prefill("p0", 10_000), decode("d0")], now=0.0) == "p0"
+    assert g.num_local_prefills == 0
+    for bad in ({"interference_weight": -1.0}, {"min_prefill_backlog_tokens": -1}, {"max_prompt_tokens": 0}):
+        with pytest.raises(ValueError):
+            LocalPrefillConfig(enabled=True, **bad)
+
+
+def test_backed_up_prefill_tier_sends_the_request_to_an_idle_decode_instance() -> None:
+    g = local_policy()
+    g.add("a", now=0.1, num_prompt_tokens=300)
+    assert g.route("a", [prefill("p0", 0), decode("d0")], now=0.1) == "p0"  # idle prefill tier: disaggregate
+    g.add("b", now=0.1, num_prompt_tokens=300)
+    # p0 now has a's 300 tokens (routed after its report): b would wait for them; d0 is idle -> local
+    assert g.route("b", [prefill("p0", 0), decode("d0")], now=0.1) == "d0"
+    rec = g.get("b")
+    assert rec.phase is Phase.DECODE and rec.prefill_instance == rec.decode_instance == "d0"
+    assert g.num_local_prefills == 1
+    g.on_tokens("b", 1, now=0.3)  # a local request streams and ends like any other
+    assert g.on_terminal("b", Phase.FINISHED, now=1.0)
+    # c sees b's 300 tokens queued at d0 and a's 300 at p0: no gain from going local -> p0
+    g.add("c", now=0.1, num_prompt_tokens=300)
+    assert g.route("c", [prefill("p0", 0), decode("d0")], now=0.1) == "p0"
+
+
+def test_local_prefill_prices_the_interference_with_running_decodes() -> None:
+    # backlog 1000 at p0; a 400-token prompt on d0 delays its R running decodes: cost = 0.25 * R * 400
+    for running, want in ((0, "d0"), (9, "d0"), (10, "p0"), (40, "p0")):
+        g = local_policy()
+        g.add("x", now=0.0, num_prompt_tokens=400)
+        assert g.route("x", [prefill("p0", 1000), decode("d0", running=running)], now=0.0) == want, running
+    g = local_policy(weight=0.0)  # TTFT only: any decode instance with less backlog wins
+    g.add("x", now=0.0, num_prompt_tokens=400)
+    assert g.route("x", [prefill("p0", 1000), decode("d0", running=200)], now=0.0) == "d0"
+
+
+def test_local_prefill_picks_the_cheapest_decode_instance_and_skips_unfit_ones() -> None:
+    g = local_policy()
+    loads = [prefill("p0", 2000), decode("d0", running=4), decode("d1", running=1),
+             decode("d2", running=0, free=3),  # 3 blocks of 16 cannot hold 100 + 1 tokens
+             decode("d3", running=0, state=InstanceState.DRAINING), decode("d4", running=0, prefill_tokens=500)]
+    g.add("x", now=0.0, num_prompt_tokens=100)
+    assert g.route("x", loads, now=0.0) == "d1"  # cost 25 (d0: 100, d4: 500, d2/d3 not eligible)
+    g = local_policy(max_prompt_tokens=50)
+    g.add("y", now=0.0, num_prompt_tokens=100)
+    assert g.route("y", loads, now=0.0) == "p0"  # too long to prefill locally
+    g = local_policy(min_prefill_backlog_tokens=5000)
+    g.add("z", now=0.0, num_prompt_tokens=100)
+    assert g.route("z", loads, now=0.0) == "p0"  # backlog under the floor
+
+
+def test_without_an_accepting_prefill_instance_a_decode_instance_prefills() -> None:
+    g = local_policy()
+    g.add("a", now=0.0, num_prompt_tokens=100)
+    assert g.route("a", [prefill("p0", 0, state=InstanceState.FLIPPING), decode("d0")], now=0.0) == "d0"
+    off = GlobalPolicy()
+    off.add("a", now=0.0, num_prompt_tokens=100)
+    assert off.route("a", [prefill("p0", 0, state=InstanceState.FLIPPING), decode("d0")], now=0.0) is None

@@ -7,6 +7,11 @@ allocated here before any byte moves) -> KV transferring -> ``on_kv_received`` (
 the caller to retry or re-prefill).
 
 A request arrives prefilled: its first token is sampled, ``num_computed_tokens == num_tokens - 1``.
+Conditional disaggregation (``admit_local``): the global scheduler may instead send an unprefilled
+request here when the prefill tier is backed up; it is admitted by the same policy, runs its prompt as
+prefill segments of at most ``local_prefill_chunk`` tokens per step (piggybacked on the decode batch, so
+one step never stalls the running decodes for more than a chunk), samples its first token here and
+then decodes like any other request. No KV moves.
 
 Admission (``reserve``), with *target* = blocks for ``prompt + predicted output`` (bucket bound per
 ``prediction_bound``; ``max_tokens`` without a prediction) and *committed* = blocks that admitted
@@ -66,6 +71,7 @@ class DecodeSchedulerConfig:
     prediction_bound: str = "lower"  # which end of the predicted bucket sizes a reservation
     max_recompute_tokens: int = 2048  # recompute-prefill tokens per step (at least one request always)
     heavy_decode_tokens: int = DEFAULT_HEAVY_DECODE_TOKENS
+    local_prefill_chunk: int = 512  # prefill tokens per step of requests prefilled here (admit_local)
 
     def __post_init__(self) -> None:
         try:
@@ -85,6 +91,8 @@ class DecodeSchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_recompute_tokens < 1:
             raise ValueError(f"max_recompute_tokens must be >= 1, got {self.max_recompute_tokens}")
+        if self.local_prefill_chunk < 1:
+            raise ValueError(f"local_prefill_chunk must be >= 1, got {self.local_prefill_chunk}")
 
 
 @dataclass(frozen=True)
@@ -159,13 +167,50 @@ class DecodeScheduler:
         now_blocks = self.kv.pool.blocks_for_tokens(req.num_tokens)
         if now_blocks > self.kv.num_blocks:
             raise ValueError(f"request {rid!r} ({req.num_tokens} tokens) cannot fit in this instance's KV cache")
+        if not self._allocate(req, now_blocks):
+            return False
+        req.status = RequestStatus.WAITING
+        self.reserved[rid] = req
+        self._table.add(req)
+        return True
+
+    def admit_local(self, req: Request) -> bool:
+        """Admit a request that was *not* prefilled elsewhere (conditional disaggregation): it prefills here,
+        in chunks of ``local_prefill_chunk`` tokens per step, then decodes. Admission is ``reserve``'s (same
+        policy, seats and refusals), sized for prompt + its first output token now.
+
+        Returns False when the admission policy refuses (try later); raises ValueError if the request can
+        never run here (not fresh, or its prompt exceeds the model or the pool)."""
+        rid = req.request_id
+        self._table.require_new(rid)
+        if req.is_finished or req.output_token_ids or req.num_computed_tokens != 0:
+            raise ValueError(f"request {rid!r} must arrive unprefilled (no output, nothing computed)")
+        if req.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of request {rid!r} has {req.num_prompt_tokens} tokens; the model's context is "
+                f"{self.config.max_model_len} tokens (prompt + at least one output token)"
+            )
+        now_blocks = self.kv.pool.blocks_for_tokens(req.num_prompt_tokens + 1)
+        if now_blocks > self.kv.num_blocks:
+            raise ValueError(f"prompt of request {rid!r} ({req.num_prompt_tokens} tokens) cannot fit in this "
+                             "instance's KV cache")
+        if not self._allocate(req, now_blocks):
+            return False
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._table.add(req)
+        return True
+
+    def _allocate(self, req: Request, now_blocks: int) -> bool:
+        """The admission decision shared by ``reserve`` and ``admit_local``: on yes, the request's blocks are
+        allocated and its reservation target recorded (the caller files it in a queue)."""
         if len(self.running) + len(self.reserved) >= self.config.max_num_seqs or self.suspended:
             return False
         free = self.kv.num_free_blocks
         if now_blocks > free:
             return False
         policy = self.config.policy
-        target = self.target_blocks(req)
+        target = max(self.target_blocks(req), now_blocks)
         avail = free - self.committed_blocks()
         if policy is DecodePolicy.GREEDY:
             target, take = now_blocks, now_blocks
@@ -180,12 +225,9 @@ class DecodeScheduler:
                 take = max(now_blocks, min(target, avail))
             else:
                 return False
-        ok = self.kv.allocate_slots(rid, take * self.kv.block_size)
+        ok = self.kv.allocate_slots(req.request_id, take * self.kv.block_size)
         assert ok, "admission checked free blocks"
-        self._target[rid] = target
-        req.status = RequestStatus.WAITING
-        self.reserved[rid] = req
-        self._table.add(req)
+        self._target[req.request_id] = target
         return True
 
     def on_kv_received(self, request_id: str) -> None:
@@ -264,10 +306,16 @@ class DecodeScheduler:
             self.num_preemptions += 1
             victim.num_preemptions += 1
             preempted.append(victim.request_id)
-        segments = tuple(
-            _segment(r, r.num_computed_tokens, r.num_uncomputed_tokens, self.kv.block_table(r.request_id))
-            for r in scheduled
-        )
+        segments = []
+        prefill_budget = self.config.local_prefill_chunk
+        for r in scheduled:
+            n = r.num_uncomputed_tokens
+            if not r.output_token_ids:  # prefilling here (admit_local): a chunk per step, within the budget
+                n = min(n, prefill_budget)
+                if n == 0:
+                    continue  # the budget went to older requests' prompts; it keeps its blocks and waits
+                prefill_budget -= n
+            segments.append(_segment(r, r.num_computed_tokens, n, self.kv.block_table(r.request_id)))
         n_prefill = sum(1 for s in segments if s.num_tokens > 1 or s.start == 0)
         if not segments:
             kind = StepKind.IDLE
@@ -279,7 +327,7 @@ class DecodeScheduler:
         return SchedulerOutput(
             step_id=self._step_id,
             kind=kind,
-            segments=segments,
+            segments=tuple(segments),
             preempted_request_ids=tuple(preempted),
             finished_request_ids=finished,
             swapped_out=tuple(swapped_out),
@@ -379,6 +427,8 @@ class DecodeScheduler:
             num_heavy_decodes=heavy,
             num_light_decodes=len(self._table) - heavy,
             utilization=utilization,
+            num_prefill_tokens=sum(r.num_uncomputed_tokens for r in self.running if not r.output_token_ids)
+            + sum(r.num_tokens for r in self.suspended),
         )
 
     def check_invariants(self) -> None:

@@ -9,6 +9,17 @@ instances are skipped). Load = prompt tokens still to prefill from the instance'
 the tokens this policy routed there after that report was built (so a burst between two reports is
 spread instead of piling onto one instance); ties by instance id.
 
+Conditional disaggregation (``LocalPrefillConfig``, off by default; Dynamo's "prefill locally when the
+remote queue is long", Splitwise's mixed pool): a request may instead be prefilled *on a decode
+instance* (ARRIVED -> DECODE directly, no KV transfer) when that is expected to cut its wait. With
+``B`` = backlog tokens (prompt tokens queued ahead, from reports + routed since), ``P`` = this prompt,
+``R`` = the decode instance's running requests, the request goes local iff
+``B_prefill >= min_prefill_backlog_tokens`` and
+``B_decode + interference_weight * R * P < B_prefill`` for the decode instance minimizing the left side
+(among ACTIVE ones with free blocks for the prompt). The left side prices the interference: a local
+prefill of ``P`` tokens delays each of the ``R`` running decodes by about ``P`` tokens' worth of
+compute; ``interference_weight`` says how much such delay counts against this request's own wait.
+
 Invariants: a request id is added once; phases only move forward; every request reaches exactly one
 terminal phase (a second terminal transition is refused); nothing reads a clock (``now`` is passed).
 """
@@ -77,10 +88,30 @@ class RequestRecord:
         return self.tpot_slo_s is None or tpot is None or tpot <= self.tpot_slo_s
 
 
+@dataclass(frozen=True)
+class LocalPrefillConfig:
+    """Conditional disaggregation (see the module docstring). ``enabled=False``: always disaggregate."""
+
+    enabled: bool = False
+    interference_weight: float = 0.25
+    min_prefill_backlog_tokens: int = 1  # never prefill locally while the prefill tier is idle
+    max_prompt_tokens: int | None = None  # longer prompts always go to a prefill instance
+
+    def __post_init__(self) -> None:
+        if self.interference_weight < 0:
+            raise ValueError(f"interference_weight must be >= 0, got {self.interference_weight}")
+        if self.min_prefill_backlog_tokens < 0:
+            raise ValueError(f"min_prefill_backlog_tokens must be >= 0, got {self.min_prefill_backlog_tokens}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
+
+
 class GlobalPolicy:
-    def __init__(self) -> None:
+    def __init__(self, local_prefill: LocalPrefillConfig | None = None) -> None:
+        self.local_prefill = local_prefill or LocalPrefillConfig()
         self._table: dict[str, RequestRecord] = {}
         self._routed: dict[str, list[tuple[float, int]]] = {}  # instance -> (routed at, tokens)
+        self.num_local_prefills = 0
 
     def add(
         self, request_id: str, now: float, num_prompt_tokens: int,
@@ -118,13 +149,38 @@ class GlobalPolicy:
             return None
 
         def key(r: LoadReport) -> tuple[float, int, str]:
-            routed = self._routed.get(r.instance_id, [])
-            return load_key(r, extra_tokens=sum(n for t, n in routed if t > r.time))
+            return load_key(r, extra_tokens=self._extra(r))
 
         return min(cands, key=key).instance_id
 
+    def _extra(self, report: LoadReport) -> int:
+        """Prompt tokens routed to ``report``'s instance after the report was built."""
+        return sum(n for t, n in self._routed.get(report.instance_id, []) if t > report.time)
+
+    def pick_local(self, num_prompt_tokens: int, loads: Sequence[LoadReport], prefill_iid: str | None) -> str | None:
+        """The decode instance that should prefill this prompt itself (conditional disaggregation), or None
+        to disaggregate as usual; pure, records nothing. ``prefill_iid``: the prefill instance it would get."""
+        cfg = self.local_prefill
+        if not cfg.enabled or (cfg.max_prompt_tokens is not None and num_prompt_tokens > cfg.max_prompt_tokens):
+            return None
+        by_id = {r.instance_id: r for r in loads}
+        remote = by_id.get(prefill_iid) if prefill_iid is not None else None
+        backlog = float("inf") if remote is None else remote.tokens_in_flight + self._extra(remote)
+        if backlog < cfg.min_prefill_backlog_tokens:
+            return None
+        best: tuple[float, str] | None = None
+        for d in accepting(loads, Role.DECODE):
+            if d.num_free_blocks < d.blocks_for_tokens(num_prompt_tokens + 1):
+                continue
+            cost = d.num_prefill_tokens + self._extra(d) + cfg.interference_weight * d.num_running * num_prompt_tokens
+            if cost < backlog and (best is None or cost < best[0]):
+                best = (cost, d.instance_id)
+        return None if best is None else best[1]
+
     def route(self, request_id: str, loads: Sequence[LoadReport], now: float) -> str | None:
-        """Route an ARRIVED request to a prefill instance (-> PREFILL); None: none accepts, retry later."""
+        """Route an ARRIVED request: to a prefill instance (-> PREFILL), or, under conditional
+        disaggregation, to a decode instance that prefills it itself (-> DECODE, ``prefill_instance ==
+        decode_instance``). None: no instance accepts now, retry later."""
         rec = self._table[request_id]
         if rec.phase is not Phase.ARRIVED:
             raise ValueError(f"request {request_id!r} is {rec.phase.value}, not arrived")
@@ -132,6 +188,13 @@ class GlobalPolicy:
             if r.instance_id in self._routed:
                 self._routed[r.instance_id] = [(t, n) for t, n in self._routed[r.instance_id] if t > r.time]
         iid = self.pick_prefill(loads)
+        local = self.pick_local(rec.num_prompt_tokens, loads, iid)
+        if local is not None:
+            self._routed.setdefault(local, []).append((now, rec.num_prompt_tokens))
+            rec.phase = Phase.DECODE
+            rec.prefill_instance = rec.decode_instance = local
+            self.num_local_prefills += 1
+            return local
         if iid is None:
             return None
         self._routed.setdefault(iid, []).append((now, rec.num_prompt_tokens))

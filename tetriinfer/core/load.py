@@ -6,10 +6,12 @@ broadcasts them, and the pure policies (dispatcher, global policy, flip policy) 
 
 Conventions (the same for the real runtime and the simulator):
 - prefill instance: ``num_queued`` = requests not yet fully prefilled, ``num_running`` = prefilled
-  requests whose KV blocks are still held (waiting for / in KV transfer), ``tokens_in_flight`` = prompt
-  tokens still to prefill;
+  requests whose KV blocks are still held (waiting for / in KV transfer), ``tokens_in_flight`` =
+  ``num_prefill_tokens`` = prompt tokens still to prefill;
 - decode instance: ``num_queued`` = requests reserved but not yet runnable (KV arriving) plus preempted
-  ones, ``num_running`` = requests decoding, ``tokens_in_flight`` = tokens held in the KV cache;
+  ones, ``num_running`` = requests decoding, ``tokens_in_flight`` = tokens held in the KV cache,
+  ``num_prefill_tokens`` = prompt tokens of requests prefilled here (conditional disaggregation) and of
+  preempted ones still to (re)compute;
 - ``utilization`` = busy fraction of the instance since its previous report, in ``[0, 1]``.
 
 Invariants (checked in ``__post_init__``): every count is ``>= 0``; ``0 <= utilization <= 1``.
@@ -62,10 +64,11 @@ class LoadReport:
     num_heavy_decodes: int = 0
     num_light_decodes: int = 0
     utilization: float = 0.0
+    num_prefill_tokens: int = 0  # prompt tokens waiting to be prefilled here (decode: local prefills)
 
     def __post_init__(self) -> None:
         for name in ("num_queued", "num_running", "num_free_blocks", "num_used_blocks", "tokens_in_flight",
-                     "num_heavy_decodes", "num_light_decodes"):
+                     "num_heavy_decodes", "num_light_decodes", "num_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"load report {self.instance_id!r}: {name} must be >= 0")
         if self.block_size < 1:

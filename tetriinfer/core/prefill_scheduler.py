@@ -243,8 +243,9 @@ class PrefillScheduler:
             num_free_blocks=self.kv.num_free_blocks,
             num_used_blocks=self.kv.num_used_blocks,
             block_size=self.kv.block_size,
-            tokens_in_flight=sum(r.num_uncomputed_tokens for r in self.queue.requests()),
+            tokens_in_flight=(todo := sum(r.num_uncomputed_tokens for r in self.queue.requests())),
             utilization=utilization,
+            num_prefill_tokens=todo,
         )
 
     def check_invariants(self) -> None:

@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
-from tetriinfer.core.global_policy import GlobalPolicy, Phase
+from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.load import LoadReport, Role
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.engine.model_config import ModelConfig
@@ -94,7 +94,9 @@ class ClusterEngineClient:
         self.eos_token_id: int | None = None
         self.instances: dict[str, InstanceInfo] = {}
         self.streams: dict[str, _Stream] = {}
-        self.policy = GlobalPolicy()
+        self.policy = GlobalPolicy(LocalPrefillConfig(
+            enabled=config.local_prefill and config.disaggregated, interference_weight=config.local_prefill_weight,
+        ))
         self.flip_policy = FlipPolicy(
             FlipConfig(enabled=config.flip, threshold=config.flip_threshold, window_s=config.flip_window_s)
         )
@@ -456,6 +458,7 @@ class ClusterEngineClient:
             "flips": list(self.flip_log),
             "transfers": dict(self.transfer_log),
             "predictor": dict(self.predictor_log),
+            "local_prefills": self.policy.num_local_prefills,
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
         }
 

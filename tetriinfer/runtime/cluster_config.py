@@ -54,6 +54,8 @@ class ClusterConfig:
     fault_drop_p: float = 0.0
     fault_delay_p: float = 0.0
     fault_corrupt_p: float = 0.0
+    local_prefill: bool = False  # conditional disaggregation: decode instances may prefill when the prefill tier is backed up
+    local_prefill_weight: float = 0.25  # LocalPrefillConfig.interference_weight
     flip: bool = False
     flip_threshold: float = 0.1
     flip_window_s: float = 2.0
@@ -78,6 +80,8 @@ class ClusterConfig:
             raise ValueError("flip_threshold must be in (0, 1)")
         if self.report_interval_s <= 0:
             raise ValueError("report_interval_s must be > 0")
+        if self.local_prefill_weight < 0:
+            raise ValueError("local_prefill_weight must be >= 0")
 
     @property
     def disaggregated(self) -> bool:

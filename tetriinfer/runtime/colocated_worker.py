@@ -10,7 +10,6 @@ from __future__ import annotations
 from tetriinfer.core.colocated_scheduler import ColocatedSchedulerConfig, make_colocated_scheduler
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import LocalScheduler, LocalSchedulerConfig
-from tetriinfer.core.request import Request
 from tetriinfer.runtime.messages import Abort, NewRequest
 from tetriinfer.runtime.worker_base import InstanceContext
 
@@ -43,14 +42,7 @@ class ColocatedWorker:
     def handle(self, msg: object) -> None:
         if isinstance(msg, NewRequest):
             try:
-                req = Request(
-                    request_id=msg.request_id,
-                    prompt_token_ids=list(msg.prompt_token_ids),
-                    sampling_params=msg.params.to_params(),
-                    arrival_time=msg.arrival_time,
-                    eos_token_id=msg.eos_token_id,
-                )
-                self.scheduler.add_request(req)
+                self.scheduler.add_request(msg.to_request())
             except ValueError as exc:
                 self.ctx.emit_error(msg.request_id, 0, str(exc))
         elif isinstance(msg, Abort):

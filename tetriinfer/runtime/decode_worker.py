@@ -1,5 +1,9 @@
 """Decode role: admit (reserve blocks) -> receive KV -> continuous-batching decode -> stream tokens.
 
+Conditional disaggregation: the front end may also send a ``NewRequest`` here (the prefill tier is
+backed up); it waits in ``local_pending`` (FIFO) until ``DecodeScheduler.admit_local`` takes it, then
+prefills here chunk by chunk within the decode steps and decodes in place (no KV transfer).
+
 Lifecycle of a request here: Handoff -> pending admission (FIFO; the admission policy may make it
 wait) -> reserved (blocks allocated *before* bytes move) -> receiving (memory posted, KVReady sent)
 -> KV written into its blocks -> decoding -> finished | aborted. A failed or timed-out receive is
@@ -18,7 +22,7 @@ import torch
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import Request
-from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, PrefillDone, TransferStat
+from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, NewRequest, PrefillDone, TransferStat
 from tetriinfer.runtime.worker_base import InstanceContext
 
 
@@ -43,10 +47,12 @@ class DecodeWorker:
                 max_num_seqs=spec.max_num_seqs,
                 max_model_len=ctx.max_model_len,
                 heavy_decode_tokens=spec.heavy_decode_tokens,
+                local_prefill_chunk=spec.chunk_size,
             ),
             ctx.kv_manager,
         )
         self.pending: deque[Handoff] = deque()
+        self.local_pending: deque[NewRequest] = deque()  # conditional disaggregation: prefilled here
         self.receiving: dict[str, Receiving] = {}
         # chunk-wise transfers: first tokens that arrived (PrefillDone) and KV that completed first
         self.first_tokens: dict[str, list[int]] = {}
@@ -57,6 +63,9 @@ class DecodeWorker:
         if isinstance(msg, Handoff):
             self.pending.append(msg)
             self._admit()
+        elif isinstance(msg, NewRequest):
+            self.local_pending.append(msg)
+            self._admit_local()
         elif isinstance(msg, PrefillDone):
             self.first_tokens[msg.request_id] = list(msg.output_token_ids)
             rcv = self.kv_complete.pop(msg.request_id, None)
@@ -93,6 +102,19 @@ class DecodeWorker:
                 return
             self.pending.popleft()
             self._post_receive(h, attempt=0)
+
+    def _admit_local(self) -> None:
+        while self.local_pending:
+            msg = self.local_pending[0]
+            try:
+                ok = self.scheduler.admit_local(msg.to_request())
+            except ValueError as exc:  # can never run here: a clean error, nothing held
+                self.local_pending.popleft()
+                self.ctx.emit_error(msg.request_id, 0, str(exc))
+                continue
+            if not ok:
+                return
+            self.local_pending.popleft()
 
     def _post_receive(self, h: Handoff, attempt: int) -> None:
         kv = self.ctx.runner.kv
@@ -162,11 +184,14 @@ class DecodeWorker:
         return bool(self.scheduler.running or self.scheduler.suspended)
 
     def is_empty(self) -> bool:
-        return not self.scheduler.has_unfinished() and not self.pending and not self.receiving and not self.kv_complete
+        return (not self.scheduler.has_unfinished() and not self.pending and not self.receiving
+                and not self.kv_complete and not self.local_pending)
 
     def step(self) -> bool:
         if self.pending:
             self._admit()
+        if self.local_pending:
+            self._admit_local()
         if not self.has_work():
             return False
         out = self.scheduler.schedule()
@@ -186,6 +211,9 @@ class DecodeWorker:
         for h in list(self.pending):
             if h.request_id == rid:
                 self.pending.remove(h)
+        for m in list(self.local_pending):
+            if m.request_id == rid:
+                self.local_pending.remove(m)
         rcv = self.receiving.pop(rid, None)
         if rcv is not None:
             self._release_tid(rcv.transfer_id)
@@ -197,6 +225,8 @@ class DecodeWorker:
         from dataclasses import replace
 
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
-        return replace(rep, num_queued=rep.num_queued + len(self.pending))
+        return replace(rep, num_queued=rep.num_queued + len(self.pending) + len(self.local_pending),
+                       num_prefill_tokens=rep.num_prefill_tokens
+                       + sum(len(m.prompt_token_ids) for m in self.local_pending))
 
 

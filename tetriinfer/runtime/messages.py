@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tetriinfer.core.request import Request
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.transfer.messages import RemoteRegion
 
@@ -54,6 +55,13 @@ class NewRequest(msgspec.Struct, tag=True, frozen=True):
     arrival_time: float
     eos_token_id: int | None = None
     oracle_output_tokens: int | None = None  # known true length (ablations with --predictor oracle)
+
+    def to_request(self) -> Request:
+        """A fresh scheduler ``Request`` (raises ValueError on invalid sampling parameters)."""
+        return Request(
+            request_id=self.request_id, prompt_token_ids=list(self.prompt_token_ids),
+            sampling_params=self.params.to_params(), arrival_time=self.arrival_time, eos_token_id=self.eos_token_id,
+        )
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
@@ -180,6 +188,7 @@ class WireLoad(msgspec.Struct, tag=True, frozen=True):
     utilization: float
     busy_s: float  # cumulative busy seconds (resource usage time)
     steps: int
+    num_prefill_tokens: int = 0
 
 
 class PredictorStat(msgspec.Struct, tag=True, frozen=True):

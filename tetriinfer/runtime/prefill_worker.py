@@ -118,13 +118,7 @@ class PrefillWorker:
     def _on_new(self, msg: NewRequest) -> None:
         ctx = self.ctx
         try:
-            req = Request(
-                request_id=msg.request_id,
-                prompt_token_ids=list(msg.prompt_token_ids),
-                sampling_params=msg.params.to_params(),
-                arrival_time=msg.arrival_time,
-                eos_token_id=msg.eos_token_id,
-            )
+            req = msg.to_request()
             self._predict(req, msg)
             self.scheduler.add_request(req)
         except ValueError as exc:

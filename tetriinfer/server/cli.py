@@ -45,6 +45,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="send KV per request after prefill (paper) or block-wise while later chunks prefill")
     p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
+    p.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=False,
+                   help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
+                        "tier's backlog exceeds the interference that costs (disaggregated modes)")
+    p.add_argument("--local-prefill-weight", type=float, default=0.25,
+                   help="weight of the running decodes' delay against the request's own wait (0: TTFT only)")
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--flip-threshold", type=float, default=0.1)
     p.add_argument("--flip-window", type=float, default=2.0)
@@ -71,6 +76,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=args.predictor,
         predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
+        local_prefill=args.local_prefill, local_prefill_weight=args.local_prefill_weight,
         flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
