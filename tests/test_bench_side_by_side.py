@@ -277,6 +277,45 @@ def test_runner_writes_the_exact_json_shape(monkeypatch: pytest.MonkeyPatch, tmp
     assert (tmp_path / "plots" / "summary.png") in plots and all(p.stat().st_size > 1000 for p in plots)
 
 
+def test_rounds_rotate_the_column_order_and_pool_every_request(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    speeds = {"colocated": (0.06, 0.004), "tetriinfer": (0.02, 0.002)}
+    started: list[str] = []
+
+    @contextmanager
+    def fake_serve(model: str, mode: str, args: list[str], timeout: float) -> Iterator[str]:
+        started.append(mode)
+        srv = FakeCluster(*speeds[mode])
+        try:
+            yield srv.start()
+        finally:
+            srv.stop()
+
+    monkeypatch.setattr(sbs, "serve", fake_serve)
+    monkeypatch.setattr(sbs, "wait_idle", lambda url, timeout_s=120.0, settle_s=0.0: {
+        i["id"]: i["busy_s"] for i in sbs.cluster_busy(url)["instances"]
+    })
+    cols = sbs.parse_columns("tetriinfer,colocated", [], [])
+    with pytest.raises(ValueError, match="rounds"):
+        sbs.SideBySideConfig(str(tmp_path), ("lpld",), cols, rounds=0)
+    cfg = sbs.SideBySideConfig(
+        str(tmp_path), ("lpld",), cols, num_requests=4, probe_requests=4, probe_concurrency=2,
+        max_prompt_tokens=300, max_output_tokens=12, progress=False, rounds=3,
+    )
+    result, raw = sbs.SideBySide(cfg, "test").run()
+    # round 1: baseline first (its probe sets the rate), then rotated: no column always runs first or last
+    assert started == ["colocated", "tetriinfer", "tetriinfer", "colocated", "colocated", "tetriinfer"]
+    assert result["meta"]["rounds"] == 3
+    for label in ("tetriinfer", "colocated"):
+        cell = result["workloads"]["lpld"][label]
+        assert cell["completed"] == 12 and cell["failed"] == 0  # 3 rounds x 4 requests, pooled
+        ids = [r["request_id"] for r in raw["lpld"][label]["requests"]]
+        assert len(ids) == len(set(ids)) == 12
+        # busy seconds add up over the rounds: 3 x 4 requests x (ttft + itl x tokens) of the fake
+        assert cell["resource_s"] > 3 * 4 * speeds[label][0]
+    assert result["workloads"]["lpld"]["tetriinfer"]["jct_mean"] < result["workloads"]["lpld"]["colocated"]["jct_mean"]
+
+
 # --------------------------------------------------------------------------------- a tiny real run
 
 

@@ -285,6 +285,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         progress=not args.no_progress,
+        rounds=args.rounds,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -335,6 +336,9 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--rate-fraction", type=float, default=0.7)
     p.add_argument("--probe-requests", type=int, default=16)
     p.add_argument("--probe-concurrency", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every column this many times (the same requests each round; column order rotated so "
+                        "no mode always runs last on a drifting machine); cells pool every round's requests")
     p.add_argument("--instances", type=int, default=2, help="instances (= cores) per mode")
     p.add_argument("--prefill-instances", type=int, default=None,
                    help="prefill instances in disaggregated modes (default: half)")

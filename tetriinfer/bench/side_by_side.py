@@ -125,6 +125,7 @@ class SideBySideConfig:
     startup_timeout_s: float = 600.0
     kv_cache_memory_gb: float = 0.25
     progress: bool = True
+    rounds: int = 1  # every column runs every workload this many times, column order rotated; records pooled
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -159,6 +160,8 @@ class SideBySideConfig:
             )
         if self.arrival not in ("poisson", "gamma"):
             raise ValueError(f"arrival must be poisson or gamma, got {self.arrival!r}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("timeouts and kv_cache_memory_gb must be positive")
 
@@ -561,6 +564,9 @@ class SideBySide:
         self.details: dict[str, dict[str, dict[str, Any]]] = {}
         self.raw: dict[str, dict[str, dict[str, Any]]] = {}
         self.workload_meta: dict[str, dict[str, Any]] = {}
+        # (workload, column) -> records of every round so far, summed durations, busy seconds, rounds
+        self._pooled: dict[tuple[str, str], dict[str, Any]] = {}
+        self._round = 0
 
     # -- workloads
     def _workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:
@@ -633,6 +639,7 @@ class SideBySide:
             res = self._bench(url, model, column, wl)
             after = wait_idle(url) if ours else {}
             total, per = resource_seconds(before, after) if ours else (None, {})
+            res, total, per = self._pool(wl.name, column.label, res, total, per)
             s = res["summary"]
             good = s["good_requests"] if s["good_requests"] is not None else s["completed"]
             duration = s["duration_s"]
@@ -656,6 +663,34 @@ class SideBySide:
             print(f"{wl.name} / {column.label}: completed {s['completed']}, failed {s['failed']}, TTFT mean "
                   f"{s['ttft']['mean']}, JCT mean {s['jct']['mean']}, resource {total}", flush=True)
 
+    def _pool(self, workload: str, label: str, res: dict[str, Any], total: float | None,
+              per: dict[str, float]) -> tuple[dict[str, Any], float | None, dict[str, float]]:
+        """Add one round's result of a cell to the earlier rounds'; returns the pooled (results, resource seconds,
+        busy seconds per instance). Pooled summary = every round's records over the summed durations (means
+        weight each request equally); request ids of later rounds get a ``#rN`` suffix."""
+        from tetriinfer.bench.metrics import summarize
+
+        key = (workload, label)
+        pool = self._pooled.setdefault(key, {"records": [], "duration_s": 0.0, "resource_s": 0.0, "per": {},
+                                             "rounds": 0, "has_resource": total is not None})
+        records = [RequestRecord.from_dict(r) for r in res["requests"]]
+        if pool["rounds"]:
+            for r in records:
+                r.request_id = f"{r.request_id}#r{pool['rounds']}"
+        pool["records"].extend(records)
+        pool["duration_s"] += res["summary"]["duration_s"]
+        pool["rounds"] += 1
+        if total is not None:
+            pool["resource_s"] += total
+            for k, v in per.items():
+                pool["per"][k] = pool["per"].get(k, 0.0) + v
+        if pool["rounds"] == 1:
+            return res, total, per
+        summary = summarize(pool["records"], duration_s=pool["duration_s"], slo=self.config.slo)
+        pooled = {**res, "summary": summary, "requests": [r.to_dict() for r in pool["records"]],
+                  "rounds": pool["rounds"]}
+        return pooled, (pool["resource_s"] if pool["has_resource"] else None), dict(pool["per"])
+
     def run(self) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any]]]]:
         c = self.config
         started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -663,7 +698,9 @@ class SideBySide:
         machine = {**_machine(), "loadavg_start": _loadavg()}
         for name in c.workloads:  # fail on a bad workload before any server starts
             self._workload(name, min(c.num_requests, 4), c.rate or 1.0, c.seed)
-        for column in c.ordered_columns():
+        ordered = c.ordered_columns()
+        schedule = [col for r in range(c.rounds) for col in (ordered[r % len(ordered):] + ordered[:r % len(ordered)])]
+        for column in schedule:  # round 1 starts with the baseline (its probe sets the rates); later rounds rotate
             if column.external:
                 assert column.url is not None
                 self._run_column(column, column.url, ours=False)
@@ -705,6 +742,7 @@ class SideBySide:
             "rate_fraction": c.rate_fraction,
             "probe_requests": c.probe_requests,
             "probe_concurrency": c.probe_concurrency,
+            "rounds": c.rounds,
             "arrival": c.arrival,
             "rates": {self._wl_name(k): v for k, v in self.rates.items()},
             "caps": {
