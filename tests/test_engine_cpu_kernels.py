@@ -219,3 +219,73 @@ def test_engine_bf16_decode_uses_the_kernels_and_matches_torch_paths(tmp_path: P
     on, off = runs["1"], runs["0"]
     same = sum(a == b for x, y in zip(on, off, strict=True) for a, b in zip(x, y, strict=True))
     assert all(len(x) == 24 for x in on) and same >= 0.75 * 48, (on, off)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "dim"), [(1, 1), (1, 768), (3, 13), (7, 384), (64, 96)])
+def test_fused_rmsnorm_matches_torch(rows: int, dim: int, dtype: torch.dtype) -> None:
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(rows * 100 + dim)
+    x = (3 * torch.randn(rows, dim, generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype)
+    want = w * F.rms_norm(x.float(), (dim,), eps=1e-6).to(dtype)
+    got = cpu_kernels.rmsnorm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:  # only the sum of squares is ordered differently
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # at most one bf16 rounding step apart
+        ulp = want.float().abs().clamp_min(1e-3) * 2.0**-7
+        assert bool(((got.float() - want.float()).abs() <= ulp).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_is_bit_identical_to_torch_on_a_qkv_slice(dtype: torch.dtype) -> None:
+    from tetriinfer.engine.models.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d = 6, 2, 64
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    cos, sin = RotaryEmbedding(d, 10000.0, None).cos_sin(torch.tensor([0, 1, 17, 500, 2047]), dtype)
+    for x in (qkv[:, : heads * d].view(5, heads, d), qkv[:, heads * d: (heads + kv_heads) * d].view(5, kv_heads, d)):
+        half = d // 2
+        want = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        got = cpu_kernels.rope(x, cos, sin)
+        assert got.is_contiguous() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="rope"):
+        cpu_kernels.rope(qkv[:, :heads * d].view(5, heads, d), cos.float() if dtype != torch.float32 else cos.half(),
+                         sin)
+    with pytest.raises(ValueError, match="rmsnorm"):
+        cpu_kernels.rmsnorm(qkv, torch.ones(3, dtype=dtype), 1e-6)
+
+
+@needs_kernel
+def test_norm_and_rope_use_the_fused_kernels_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tetriinfer.engine.models.layers as layers
+
+    calls: list[str] = []
+    real_norm, real_rope = cpu_kernels.rmsnorm, cpu_kernels.rope
+    monkeypatch.setattr(cpu_kernels, "rmsnorm", lambda *a: calls.append("norm") or real_norm(*a))
+    monkeypatch.setattr(cpu_kernels, "rope", lambda *a: calls.append("rope") or real_rope(*a))
+    norm = layers.RMSNorm(32, 1e-5)
+    rot = layers.RotaryEmbedding(8, 10000.0, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows, fused in ((1, True), (layers.FUSED_MAX_ROWS, True), (layers.FUSED_MAX_ROWS + 1, False)):
+                calls.clear()
+                x = torch.randn(rows, 32)
+                cos, sin = rot.cos_sin(torch.arange(rows), torch.float32)
+                torch.testing.assert_close(norm(x), norm.weight * torch.nn.functional.rms_norm(x, (32,), eps=1e-5))
+                layers.apply_rope(x.view(rows, 4, 8), cos, sin)
+                assert calls == (["norm", "rope"] if fused else []), rows
+        torch.set_num_threads(2)
+        calls.clear()
+        with torch.inference_mode():
+            norm(torch.randn(1, 32))
+        assert calls == []
+    finally:
+        torch.set_num_threads(threads)

@@ -6,6 +6,8 @@ fp32, output rounded to bf16) or fp32. torch's bf16 GEMV reads ~6 GB/s on such a
 to the memory bandwidth and applies them to every row while they are in cache.
 `decode_attn(q, k_cache, v_cache, slots, lengths)`: decode attention over the paged KV cache (bf16 or fp32), reading
 K/V in place (torch needs a gather, two fp32 copies and small batched matmuls: ~250 us per layer at batch 1).
+`rmsnorm(x, w, eps)` and `rope(x, cos, sin)`: a decode step's per-token RMSNorm and rotary embedding as one call each
+(torch spends 4 and 6 small ops on them, a few microseconds each, per layer), with torch's per-op rounding.
 Source: `csrc/decode_kernels.c`.
 
 The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
@@ -84,6 +86,8 @@ def _load() -> ctypes.CDLL | None:
         dll = ctypes.CDLL(str(lib))
         gemvs = (dll.tetri_gemv_bf16, dll.tetri_gemv_f32)
         attns = (dll.tetri_decode_attn_bf16, dll.tetri_decode_attn_f32)
+        norms = (dll.tetri_rmsnorm_bf16, dll.tetri_rmsnorm_f32)
+        ropes = (dll.tetri_rope_bf16, dll.tetri_rope_f32)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("bf16 CPU kernel unavailable (%s %s): torch's kernels are used", e,
@@ -91,6 +95,12 @@ def _load() -> ctypes.CDLL | None:
         return None
     for fn in gemvs:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        fn.restype = ctypes.c_int
+    for fn in norms:
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        fn.restype = ctypes.c_int
+    for fn in ropes:
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
         fn.restype = ctypes.c_int
     for fn in attns:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
@@ -121,6 +131,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     if rc != 0:
         raise MemoryError("gemv: out of memory for its scratch buffer")
     return y
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[M, N] -> [M, N], ``weight * rms_norm(x.float(), eps).to(x.dtype)`` (torch's rounding), fp32 or bf16; contiguous
+    CPU tensors of one dtype. Call only when `kernels_available()`."""
+    dll = _load()
+    assert dll is not None
+    if (x.dim() != 2 or weight.shape != (x.shape[1],) or x.dtype != weight.dtype
+            or x.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError(f"rmsnorm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    y = torch.empty_like(x)
+    fn = dll.tetri_rmsnorm_f32 if x.dtype == torch.float32 else dll.tetri_rmsnorm_bf16
+    fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [T, H, D] (heads and dims contiguous, any token stride: a column slice of the fused qkv
+    projection), cos / sin [T, 1, D] contiguous -> [T, H, D] contiguous, ``x * cos + cat(-x2, x1) * sin`` with torch's
+    per-op rounding (fp32 bit-identical). Call only when `kernels_available()`."""
+    dll = _load()
+    assert dll is not None
+    t, h, d = x.shape
+    if (d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape != (t, 1, d) or sin.shape != cos.shape
+            or not cos.is_contiguous() or not sin.is_contiguous() or not x.dtype == cos.dtype == sin.dtype
+            or x.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError(f"rope: x {tuple(x.shape)} strides {x.stride()} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}")
+    out = torch.empty((t, h, d), dtype=x.dtype)
+    fn = dll.tetri_rope_f32 if x.dtype == torch.float32 else dll.tetri_rope_bf16
+    fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d, x.stride(0))
+    return out
 
 
 def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

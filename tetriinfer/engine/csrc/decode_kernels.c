@@ -68,7 +68,7 @@ static inline __attribute__((always_inline)) void tile_dot(const float *xf, int6
     for (; k + 8 <= K; k += 8) {
         __m256 wv[4];
         for (int j = 0; j < NB; j++) wv[j] = kv8((const char *)w + j * K * esz, k, F32);
-        if (pf && (k & 15) == 0) /* the next weight rows, one 64-byte line per row per 16 elements of fp32 */
+        if (pf) /* the weight rows PF_AHEAD groups on, at this k (redundant for bf16's half lines: measured faster) */
             for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * esz, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             __m256 xv = _mm256_loadu_ps(xf + r * K + k);
@@ -329,4 +329,86 @@ int tetri_decode_attn_f32(const float *q, const float *k_cache, const float *v_c
                           const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                           int64_t L, float scale) {
     return decode_attn(q, k_cache, v_cache, slots, lengths, out, B, H, Hkv, D, L, scale, 1);
+}
+
+/* ---- small per-token ops of a decode step, fused (each replaces 3-6 torch ops of a few microseconds) ---------- */
+
+/* RMSNorm of M rows of N (fp32 or bf16, as torch computes `w * rms_norm(x.float()).to(dtype)`):
+ * t = x * 1/sqrt(mean(x^2) + eps) in fp32, rounded to the dtype, then y = w * t rounded to the dtype.
+ * Only the order of the sum of squares differs from torch. Returns 0. */
+static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, const void *w, void *y, int64_t M,
+                                                                int64_t N, float eps, int F32) {
+    int64_t esz = F32 ? 4 : 2;
+    for (int64_t m = 0; m < M; m++) {
+        const char *xr = (const char *)x + m * N * esz;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= N; k += 8) {
+            __m256 v = kv8(xr, k, F32);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (; k < N; k++) ss += kv1(xr, k, F32) * kv1(xr, k, F32);
+        float inv = 1.0f / sqrtf(ss / (float)N + eps);
+        for (k = 0; k < N; k++) {
+            float t = kv1(xr, k, F32) * inv;
+            if (F32) {
+                ((float *)y)[m * N + k] = ((const float *)w)[k] * t;
+            } else {
+                float tb = bf16_to_f32(f32_to_bf16(t));
+                ((uint16_t *)y)[m * N + k] = f32_to_bf16(bf16_to_f32(((const uint16_t *)w)[k]) * tb);
+            }
+        }
+    }
+}
+
+int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps) {
+    rmsnorm_rows(x, w, y, M, N, eps, 1);
+    return 0;
+}
+
+int tetri_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, float eps) {
+    rmsnorm_rows(x, w, y, M, N, eps, 0);
+    return 0;
+}
+
+/* Rotate-half RoPE (HF Llama), as torch computes `x * cos + cat(-x2, x1) * sin` in the dtype: each product and the
+ * sum rounded to the dtype (fp32: no fused multiply-add, bit-identical to torch; bf16: the products of two bf16
+ * values are exact in fp32, then rounded as torch rounds).
+ * x: T tokens x H heads x D, token stride xs elements (a column slice of the fused qkv output), head stride D;
+ * cos, sin: [T, D] contiguous; out: [T, H, D] contiguous. Returns 0. */
+static inline __attribute__((always_inline)) float rnd(float v, int F32) {
+    return F32 ? v : bf16_to_f32(f32_to_bf16(v));
+}
+
+static inline __attribute__((always_inline)) void rope_rows(const void *x, const void *cs, const void *sn, void *out,
+                                                             int64_t T, int64_t H, int64_t D, int64_t xs, int F32) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            int64_t xi = t * xs + h * D, oi = (t * H + h) * D, ci = t * D;
+            for (int64_t d = 0; d < D; d++) {
+                float xv = kv1(x, xi + d, F32);
+                float rot = d < half ? -kv1(x, xi + d + half, F32) : kv1(x, xi + d - half, F32);
+                volatile float a = rnd(xv * kv1(cs, ci + d, F32), F32);  /* volatile: never contracted to an FMA */
+                volatile float b = rnd(rot * kv1(sn, ci + d, F32), F32);
+                float o = rnd(a + b, F32);
+                if (F32)
+                    ((float *)out)[oi + d] = o;
+                else
+                    ((uint16_t *)out)[oi + d] = f32_to_bf16(o);
+            }
+        }
+}
+
+int tetri_rope_f32(const float *x, const float *cs, const float *sn, float *out, int64_t T, int64_t H, int64_t D,
+                   int64_t xs) {
+    rope_rows(x, cs, sn, out, T, H, D, xs, 1);
+    return 0;
+}
+
+int tetri_rope_bf16(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *out, int64_t T, int64_t H,
+                    int64_t D, int64_t xs) {
+    rope_rows(x, cs, sn, out, T, H, D, xs, 0);
+    return 0;
 }

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.cpu_info import cpu_has_native
 from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv, kernels_available
 
@@ -17,6 +18,16 @@ UPCAST_MIN_ROWS = 16
 # fp32 matmuls of at most this many rows (decode batches) go to the native kernel: it reads the weights once at
 # the memory bandwidth for the whole batch; past ~32 rows torch's blocked GEMM is compute-efficient enough.
 GEMV_F32_MAX_ROWS = 32
+# RMSNorm and RoPE of at most this many tokens (decode steps) use the fused native kernels; prefill chunks keep
+# torch's vectorized ops, which win on many rows.
+FUSED_MAX_ROWS = 64
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether this decode-sized activation can take the fused native RMSNorm / RoPE (same conditions as the matmul:
+    CPU, fp32 or bf16, few rows, one torch thread, inference mode, kernels built)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and 0 < x.shape[0] <= FUSED_MAX_ROWS
+            and not torch.is_grad_enabled() and torch.get_num_threads() == 1 and kernels_available())
 
 
 class Linear(nn.Linear):
@@ -58,6 +69,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim] -> [T, dim]
         # Normalize in fp32 (as HF does), then scale in the model dtype.
+        if x.dim() == 2 and x.dtype == self.weight.dtype and x.is_contiguous() and use_fused(x):
+            return cpu_kernels.rmsnorm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -99,6 +112,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [T, heads, head_dim]
+    if (x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and x.dtype == cos.dtype and cos.is_contiguous()
+            and sin.is_contiguous() and x.shape[-1] % 2 == 0 and use_fused(x)):
+        return cpu_kernels.rope(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
