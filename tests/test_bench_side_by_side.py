@@ -228,8 +228,9 @@ class FakeCluster:
         self.thread.join(10)
 
 
-def test_runner_writes_the_exact_json_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    speeds = {"colocated": (0.08, 0.004), "tetriinfer": (0.02, 0.002)}
+def fake_servers(monkeypatch: pytest.MonkeyPatch, speeds: dict[str, tuple[float, float]]) -> list[tuple[str, tuple[str, ...]]]:
+    """Replace ``serve`` with in-process FakeClusters (mode -> (ttft, itl)) and ``wait_idle`` with a direct
+    ``/cluster`` read; returns the list that records each (mode, args) started, in order."""
     started: list[tuple[str, tuple[str, ...]]] = []
 
     @contextmanager
@@ -245,6 +246,11 @@ def test_runner_writes_the_exact_json_shape(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(sbs, "wait_idle", lambda url, timeout_s=120.0, settle_s=0.0: {
         i["id"]: i["busy_s"] for i in sbs.cluster_busy(url)["instances"]
     })
+    return started
+
+
+def test_runner_writes_the_exact_json_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    started = fake_servers(monkeypatch, {"colocated": (0.08, 0.004), "tetriinfer": (0.02, 0.002)})
     cols = sbs.parse_columns("tetriinfer,colocated", [], ["tetriinfer:--chunk-size 128"])
     cfg = sbs.SideBySideConfig(
         str(tmp_path), ("lpld", "mixed"), cols, num_requests=5, probe_requests=4, probe_concurrency=2,
@@ -280,21 +286,7 @@ def test_runner_writes_the_exact_json_shape(monkeypatch: pytest.MonkeyPatch, tmp
 def test_rounds_rotate_the_column_order_and_pool_every_request(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
     speeds = {"colocated": (0.06, 0.004), "tetriinfer": (0.02, 0.002)}
-    started: list[str] = []
-
-    @contextmanager
-    def fake_serve(model: str, mode: str, args: list[str], timeout: float) -> Iterator[str]:
-        started.append(mode)
-        srv = FakeCluster(*speeds[mode])
-        try:
-            yield srv.start()
-        finally:
-            srv.stop()
-
-    monkeypatch.setattr(sbs, "serve", fake_serve)
-    monkeypatch.setattr(sbs, "wait_idle", lambda url, timeout_s=120.0, settle_s=0.0: {
-        i["id"]: i["busy_s"] for i in sbs.cluster_busy(url)["instances"]
-    })
+    started = fake_servers(monkeypatch, speeds)
     cols = sbs.parse_columns("tetriinfer,colocated", [], [])
     with pytest.raises(ValueError, match="rounds"):
         sbs.SideBySideConfig(str(tmp_path), ("lpld",), cols, rounds=0)
@@ -304,7 +296,7 @@ def test_rounds_rotate_the_column_order_and_pool_every_request(monkeypatch: pyte
     )
     result, raw = sbs.SideBySide(cfg, "test").run()
     # round 1: baseline first (its probe sets the rate), then rotated: no column always runs first or last
-    assert started == ["colocated", "tetriinfer", "tetriinfer", "colocated", "colocated", "tetriinfer"]
+    assert [m for m, _ in started] == ["colocated", "tetriinfer", "tetriinfer", "colocated", "colocated", "tetriinfer"]
     assert result["meta"]["rounds"] == 3
     for label in ("tetriinfer", "colocated"):
         cell = result["workloads"]["lpld"][label]

@@ -566,7 +566,6 @@ class SideBySide:
         self.workload_meta: dict[str, dict[str, Any]] = {}
         # (workload, column) -> records of every round so far, summed durations, busy seconds, rounds
         self._pooled: dict[tuple[str, str], dict[str, Any]] = {}
-        self._round = 0
 
     # -- workloads
     def _workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:

@@ -163,8 +163,7 @@ class GlobalPolicy:
         cfg = self.local_prefill
         if not cfg.enabled or (cfg.max_prompt_tokens is not None and num_prompt_tokens > cfg.max_prompt_tokens):
             return None
-        by_id = {r.instance_id: r for r in loads}
-        remote = by_id.get(prefill_iid) if prefill_iid is not None else None
+        remote = next((r for r in loads if r.instance_id == prefill_iid), None)
         backlog = float("inf") if remote is None else remote.tokens_in_flight + self._extra(remote)
         if backlog < cfg.min_prefill_backlog_tokens:
             return None

@@ -23,11 +23,16 @@ GEMV_F32_MAX_ROWS = 32
 FUSED_MAX_ROWS = 64
 
 
+def native_ok(x: torch.Tensor) -> bool:
+    """The conditions every native decode kernel shares: a CPU tensor in fp32 or bf16, inference mode, one torch
+    thread (the kernels are single-threaded; several threads mean torch's parallel kernels win), kernels built."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
+            and torch.get_num_threads() == 1 and kernels_available())
+
+
 def use_fused(x: torch.Tensor) -> bool:
-    """Whether this decode-sized activation can take the fused native RMSNorm / RoPE (same conditions as the matmul:
-    CPU, fp32 or bf16, few rows, one torch thread, inference mode, kernels built)."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and 0 < x.shape[0] <= FUSED_MAX_ROWS
-            and not torch.is_grad_enabled() and torch.get_num_threads() == 1 and kernels_available())
+    """Whether this decode-sized activation can take the fused native RMSNorm / RoPE."""
+    return 0 < x.shape[0] <= FUSED_MAX_ROWS and native_ok(x)
 
 
 class Linear(nn.Linear):
@@ -56,9 +61,7 @@ class Linear(nn.Linear):
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a few-row matmul of `x` [T, in] by `weight` [out, in] (both bf16 or both fp32) can go to the native
     AVX2 kernel: a CPU with the kernels built, one torch thread (the kernel is single-threaded), inference mode."""
-    return (x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float32) and 0 < x.shape[0] <= MAX_ROWS
-            and weight.is_contiguous() and not torch.is_grad_enabled() and torch.get_num_threads() == 1
-            and kernels_available())
+    return x.dtype == weight.dtype and 0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous() and native_ok(x)
 
 
 class RMSNorm(nn.Module):
