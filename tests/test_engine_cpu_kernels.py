@@ -29,8 +29,9 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 
 
 @needs_kernel
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 15), (1, 33, 16), (2, 5, 17), (3, 64, 100),
-                                           (4, 9, 48), (5, 130, 768), (15, 257, 96), (64, 3, 33)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 15), (1, 33, 16), (1, 5, 77), (1, 6, 2100),
+                                           (2, 5, 17), (3, 64, 100), (4, 9, 48), (5, 130, 768), (15, 257, 96),
+                                           (64, 3, 33)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_bf16_matches_fp32_reference(m: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
@@ -70,12 +71,14 @@ def test_gemv_bf16_rejects_mismatched_shapes() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 15), (2, 5, 17), (3, 64, 100), (4, 9, 48),
-                                           (5, 130, 768), (7, 6, 8), (15, 257, 96), (32, 70, 384), (64, 3, 33)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 15), (1, 5, 77), (1, 6, 1100), (2, 5, 17),
+                                           (3, 64, 100), (4, 9, 48), (5, 130, 768), (7, 6, 8), (15, 257, 96),
+                                           (32, 70, 384), (64, 3, 33)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_fp32_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
-    """Every (weight rows % 4, x rows % 3, K % 8) remainder path, against an fp64 reference: the kernel's error is
-    an fp32 summation-order error, no larger than torch's own."""
+    """Every (weight rows % 4, x rows % 3, K % 8) remainder path, and one x row over short rows (the linear
+    row-at-a-time path, K % 32 and K % 8 tails) and long rows (the tile path), against an fp64 reference: the
+    kernel's error is an fp32 summation-order error, no larger than torch's own."""
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k + 7)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g)

@@ -103,12 +103,48 @@ static inline __attribute__((always_inline)) void tile_any(const float *xr, int6
     }
 }
 
+/* One row of x against every weight row, one row after the other: the weights are read as a single linear stream
+ * (prefetched ROW_PF_BYTES ahead, once per 64 bytes), four independent FMA chains per row. For one x row with short
+ * weight rows (<= ROW_KERNEL_MAX_BYTES) this beats the 4-row tiles, whose four streams restart every few cache
+ * lines: measured 90-105% of torch.sum's read bandwidth vs 67-87% on 768-wide bf16 rows (the tiles win on long rows,
+ * 125% at 2560 wide, where four long streams keep more reads in flight). */
+#define ROW_PF_BYTES 1024
+#define ROW_KERNEL_MAX_BYTES 4096
+static inline __attribute__((always_inline)) void gemv_one_row(const float *x, const void *w, const void *bias,
+                                                                void *y, int64_t N, int64_t K, int F32) {
+    int64_t esz = F32 ? 4 : 2, step = 64 / esz; /* elements per cache line */
+    for (int64_t n = 0; n < N; n++) {
+        const char *wr = (const char *)w + n * K * esz;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) {
+            for (int64_t c = 0; c < 32; c += step) _mm_prefetch(wr + (k + c) * esz + ROW_PF_BYTES, _MM_HINT_T0);
+            a0 = _mm256_fmadd_ps(kv8(wr, k, F32), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(kv8(wr, k + 8, F32), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(kv8(wr, k + 16, F32), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(kv8(wr, k + 24, F32), _mm256_loadu_ps(x + k + 24), a3);
+        }
+        for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(kv8(wr, k, F32), _mm256_loadu_ps(x + k), a0);
+        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; k < K; k++) s += x[k] * kv1(wr, k, F32);
+        s += bias ? kv1(bias, n, F32) : 0.0f;
+        if (F32)
+            ((float *)y)[n] = s;
+        else
+            ((uint16_t *)y)[n] = f32_to_bf16(s);
+    }
+}
+
 /* y = x @ w.T + bias over fp32 activations xf [M, K]; w, bias, y in fp32 (F32) or bf16 (output rounded once).
  * Weight rows go four at a time; each group is read from memory once and applied to every row of x (TILE_R rows
- * per pass, the group stays in L1 between passes). */
+ * per pass, the group stays in L1 between passes). One x row over short weight rows: gemv_one_row. */
 static inline __attribute__((always_inline)) void gemv_rows(const float *xf, const void *w, const void *bias,
                                                              void *y, int64_t M, int64_t N, int64_t K, int F32) {
     int64_t esz = F32 ? 4 : 2;
+    if (M == 1 && K * esz <= ROW_KERNEL_MAX_BYTES) {
+        gemv_one_row(xf, w, bias, y, N, K, F32);
+        return;
+    }
     float out[TILE_R * 4];
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         int NB = N - n0 < 4 ? (int)(N - n0) : 4;
