@@ -147,7 +147,16 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="prefill_instances"):
         sbs.SideBySideConfig("m", ("lpld",), cols, instances=2, prefill_instances=2)
     with pytest.raises(ValueError, match="rate_fraction"):
-        sbs.SideBySideConfig("m", ("lpld",), cols, rate_fraction=0.0)
+        sbs.SideBySideConfig("m", ("lpld",), cols, rate_fractions=(0.0,))
+    with pytest.raises(ValueError, match="rate_fraction"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, rate_fractions=(0.7, 5.0))
+    with pytest.raises(ValueError, match="given twice"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, rate_fractions=(0.7, 0.7))
+    with pytest.raises(ValueError, match="--rate auto"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, rate=1.0, rate_fractions=(0.7, 1.0))
+    one = sbs.SideBySideConfig("m", ("lpld",), cols)
+    sweep = sbs.SideBySideConfig("m", ("lpld",), cols, rate_fractions=(0.7, 1.3))
+    assert one.cell_key("lpld", 0.7) == "lpld" and sweep.cell_key("lpld", 1.3) == "lpld@130%"
     order = sbs.SideBySideConfig("m", ("lpld",), sbs.parse_columns("tetriinfer,colocated", ["v=http://x"]))
     assert [c.label for c in order.ordered_columns()] == ["colocated", "tetriinfer", "v"]
 
@@ -160,6 +169,11 @@ def test_cli_registers_side_by_side() -> None:
     args = parser.parse_args(["bench", "side-by-side", "--modes", "tetriinfer,colocated", "--rate", "auto",
                               "--serve-arg=--chunk-size 128", "--out", "x.json"])
     assert args.rate is None and args.serve_arg == ["--chunk-size 128"] and callable(args.handler)
+    assert args.rate_fraction == (0.7,)
+    assert parser.parse_args(["bench", "side-by-side", "--rate-fraction", "0.5,1,1.5", "--out", "x"]
+                             ).rate_fraction == (0.5, 1.0, 1.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "side-by-side", "--rate-fraction", "0.5,high", "--out", "x"])
     assert parser.parse_args(["bench", "side-by-side", "--rate", "0.5", "--out", "x"]).rate == 0.5
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "side-by-side", "--rate", "fast", "--out", "x"])
@@ -306,6 +320,46 @@ def test_rounds_rotate_the_column_order_and_pool_every_request(monkeypatch: pyte
         # busy seconds add up over the rounds: 3 x 4 requests x (ttft + itl x tokens) of the fake
         assert cell["resource_s"] > 3 * 4 * speeds[label][0]
     assert result["workloads"]["lpld"]["tetriinfer"]["jct_mean"] < result["workloads"]["lpld"]["colocated"]["jct_mean"]
+
+
+def test_load_sweep_probes_once_and_runs_every_fraction(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    speeds = {"colocated": (0.05, 0.004), "tetriinfer": (0.02, 0.002)}
+    fake_servers(monkeypatch, speeds)
+    probes: list[str] = []
+    real_probe = sbs.SideBySide.probe
+
+    def counting_probe(self: sbs.SideBySide, url: str, model: str, column: sbs.Column, name: str) -> float:
+        probes.append(name)
+        return real_probe(self, url, model, column, name)
+
+    monkeypatch.setattr(sbs.SideBySide, "probe", counting_probe)
+    cols = sbs.parse_columns("tetriinfer,colocated", [], [])
+    cfg = sbs.SideBySideConfig(
+        str(tmp_path), ("lpld",), cols, num_requests=4, probe_requests=4, probe_concurrency=2,
+        max_prompt_tokens=300, max_output_tokens=12, progress=False, rate_fractions=(0.5, 1.5),
+    )
+    result, raw = sbs.SideBySide(cfg, "test").run()
+    assert probes == ["lpld"]  # one probe per workload, shared by every fraction
+    assert list(result["workloads"]) == ["lpld@50%", "lpld@150%"]
+    rates = result["meta"]["rates"]
+    probed = rates["lpld@50%"]["probed_rps"]
+    assert rates["lpld@150%"]["probed_rps"] == probed
+    assert rates["lpld@50%"]["rate_rps"] == pytest.approx(0.5 * probed)
+    assert rates["lpld@150%"]["rate_rps"] == pytest.approx(1.5 * probed)
+    # the same requests at every load, only the arrival times scaled (x 1/3 from 50% to 150%)
+    slow, fast = (raw[k]["colocated"]["requests"] for k in ("lpld@50%", "lpld@150%"))
+    assert [r["prompt_tokens"] for r in slow] == [r["prompt_tokens"] for r in fast]
+    assert fast[-1]["arrival_s"] == pytest.approx(slow[-1]["arrival_s"] / 3)
+    assert raw["lpld@150%"]["colocated"]["workload"]["target_rate"] == pytest.approx(1.5 * probed)
+    for cells in result["workloads"].values():
+        assert set(cells) == {"tetriinfer", "colocated"} and all(c["completed"] == 4 for c in cells.values())
+    points = sbs.load_sweep_points(result)
+    assert sorted(points) == [("lpld", "colocated"), ("lpld", "tetriinfer")]
+    assert [p[0] for p in points[("lpld", "tetriinfer")]] == [0.5, 1.5]
+    md = sbs.markdown_report(result)
+    assert "50% / 150% of it (a load sweep" in md and "| lpld@150% |" in md
+    plots = sbs.write_plots(result, raw, tmp_path / "plots")
+    assert (tmp_path / "plots" / "load_sweep.png") in plots
 
 
 # --------------------------------------------------------------------------------- a tiny real run

@@ -238,6 +238,16 @@ def _auto_rate(text: str) -> float | None:
     return value
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one rate fraction")
+    return values
+
+
 def _cmd_side_by_side(args: argparse.Namespace) -> int:
     import shlex
     import signal
@@ -268,7 +278,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         columns=columns,
         num_requests=args.num_requests,
         rate=args.rate,
-        rate_fraction=args.rate_fraction,
+        rate_fractions=args.rate_fraction,
         probe_requests=args.probe_requests,
         probe_concurrency=args.probe_concurrency,
         instances=args.instances,
@@ -333,7 +343,9 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--rate", type=_auto_rate, default=None,
                    help="req/s for every workload and mode, or 'auto' (default): a closed-loop probe on "
                    "colocated measures the sustainable rate and every mode runs at --rate-fraction of it")
-    p.add_argument("--rate-fraction", type=float, default=0.7)
+    p.add_argument("--rate-fraction", type=_fractions, default=(0.7,), metavar="F[,F...]",
+                   help="with --rate auto: run at this fraction of the probed rate (default 0.7); several "
+                   "(e.g. 0.7,1.0,1.3) = a load sweep, cells keyed WORKLOAD@PCT%%")
     p.add_argument("--probe-requests", type=int, default=16)
     p.add_argument("--probe-concurrency", type=int, default=8)
     p.add_argument("--rounds", type=int, default=1,

@@ -22,6 +22,9 @@ Definitions (all relative metrics are against the ``colocated`` column, the pape
   ``C`` in flight, the loop is full until the ``(N - C)``-th completion, so the sustainable rate is
   ``(N - C) / t_(N-C)`` (completions per second while the loop was full, ``t`` from the start). Every mode
   is then run open-loop (Poisson) at ``rate_fraction`` (default 70%) of that rate.
+- Load sweep: ``rate_fractions`` with several values (``--rate-fraction 0.7,1.0,1.3``) runs every workload at
+  each fraction of the same probed rate (one probe per workload; the same requests, only the arrival times
+  scaled); the cells are then keyed ``WORKLOAD@PCT%`` (``mixed@100%``), with one fraction just ``WORKLOAD``.
 
 Invariants: every (workload, column) cell in the output holds exactly the ``CELL_KEYS``; the baseline
 column is run first; each workload's requests (lengths and arrival times) are identical in every column.
@@ -54,6 +57,7 @@ from tetriinfer.bench.workloads import Workload, WorkloadRequest, load_workload,
 from tetriinfer.net import free_loopback_port
 
 BASELINE = "colocated"
+MAX_RATE_FRACTION = 4.0  # a sweep may go past the probed rate (overload is part of the curve), not without bound
 DISAGGREGATED_MODES = ("tetriinfer", "distserve")
 COLOCATED_MODES = ("colocated", "sarathi")
 SERVER_MODES = DISAGGREGATED_MODES + COLOCATED_MODES
@@ -108,7 +112,7 @@ class SideBySideConfig:
     columns: tuple[Column, ...]
     num_requests: int = 50
     rate: float | None = None
-    rate_fraction: float = 0.7
+    rate_fractions: tuple[float, ...] = (0.7,)  # of the probed rate; several = a load sweep
     probe_requests: int = 16
     probe_concurrency: int = 8
     instances: int = 2
@@ -144,8 +148,12 @@ class SideBySideConfig:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
             raise ValueError(f"rate must be a positive number of requests/s or auto, got {self.rate}")
-        if not 0 < self.rate_fraction <= 1:
-            raise ValueError(f"rate_fraction must be in (0, 1], got {self.rate_fraction}")
+        if not self.rate_fractions or not all(0 < f <= MAX_RATE_FRACTION for f in self.rate_fractions):
+            raise ValueError(f"rate_fraction values must be in (0, {MAX_RATE_FRACTION:g}], got {self.rate_fractions}")
+        if len(set(self.rate_fractions)) != len(self.rate_fractions):
+            raise ValueError(f"rate_fraction values given twice: {self.rate_fractions}")
+        if self.rate is not None and len(self.rate_fractions) > 1:
+            raise ValueError("a load sweep (several rate fractions) scales the probed rate: use --rate auto")
         if self.probe_concurrency < 1 or self.probe_requests <= self.probe_concurrency:
             raise ValueError(
                 f"the probe needs probe_requests ({self.probe_requests}) > probe_concurrency "
@@ -164,6 +172,10 @@ class SideBySideConfig:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("timeouts and kv_cache_memory_gb must be positive")
+
+    def cell_key(self, workload_name: str, fraction: float) -> str:
+        """The output key of one workload at one rate fraction: the name alone unless this is a load sweep."""
+        return workload_name if len(self.rate_fractions) == 1 else f"{workload_name}@{fraction * 100:.0f}%"
 
     @property
     def baseline(self) -> Column:
@@ -409,13 +421,18 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
             f"`--rate auto`: closed-loop probe on the colocated baseline ({meta.get('probe_requests')} requests, "
             f"{meta.get('probe_concurrency')} in flight; sustainable rate = (N - C) / t_(N-C)), then every "
             f"column runs open-loop {meta.get('arrival', 'poisson')} arrivals at "
-            f"{meta.get('rate_fraction', 0) * 100:.0f}% of it."
+            + " / ".join(f"{f * 100:.0f}%" for f in meta.get("rate_fractions", [meta.get("rate_fraction", 0)]))
+            + " of it" + (" (a load sweep: cells keyed WORKLOAD@PCT%)." if len(meta.get("rate_fractions", [])) > 1
+                          else ".")
         )
     else:
         lines.append("Fixed rate given on the command line.")
-    lines += ["", "| workload | probed sustainable req/s | run req/s | requests |", "|---|---:|---:|---:|"]
+    lines += ["", "| workload | probed sustainable req/s | fraction | run req/s | requests |",
+              "|---|---:|---:|---:|---:|"]
     for wl, r in rates.items():
-        lines.append(f"| {wl} | {_num(r.get('probed_rps'), 3)} | {_num(r.get('rate_rps'), 3)} | {r.get('requests')} |")
+        frac = r.get("rate_fraction")
+        lines.append(f"| {wl} | {_num(r.get('probed_rps'), 3)} | {'-' if frac is None else f'{frac:.0%}'} | "
+                     f"{_num(r.get('rate_rps'), 3)} | {r.get('requests')} |")
     lines += [
         "",
         "## Paper-style summary (change vs colocated)",
@@ -559,7 +576,8 @@ class SideBySide:
     def __init__(self, config: SideBySideConfig, command: str = "") -> None:
         self.config = config
         self.command = command
-        self.rates: dict[str, dict[str, Any]] = {}
+        self.probed: dict[str, float | None] = {}  # workload as given -> the probe's sustainable req/s
+        self.rates: dict[str, dict[str, Any]] = {}  # cell key -> probed and run rates
         self.cells: dict[str, dict[str, dict[str, Any]]] = {}
         self.details: dict[str, dict[str, dict[str, Any]]] = {}
         self.raw: dict[str, dict[str, dict[str, Any]]] = {}
@@ -616,51 +634,62 @@ class SideBySide:
     def _run_column(self, column: Column, url: str, ours: bool) -> None:
         c = self.config
         model = served_model_id(url)
-        instances = c.instances
         if ours:  # warm-up (first forwards, connections), not measured
             warm = Workload("warmup", tuple(WorkloadRequest(f"warm-{i}", 0.0, 16, 4) for i in range(2)),
                             "warm-up", "burst", None, c.seed)
             self._bench(url, model, column, warm, progress=False)
         for name in c.workloads:
-            if name not in self.rates:
-                probed = self.probe(url, model, column, name) if c.rate is None else None
-                rate = c.rate if c.rate is not None else probed * c.rate_fraction  # type: ignore[operator]
-                self.rates[name] = {"probed_rps": probed, "rate_rps": rate, "requests": c.num_requests}
-                if probed is not None:
-                    print(f"{name}: colocated sustains {probed:.3f} req/s (closed-loop probe); running every "
-                          f"column at {rate:.3f} req/s", flush=True)
-            wl = self._workload(name, c.num_requests, self.rates[name]["rate_rps"], c.seed)
-            self.workload_meta.setdefault(wl.name, {
-                "summary_line": workload_summary_line(wl), "describe": wl.describe(), "key": name,
-            })
-            before = wait_idle(url) if ours else {}
-            load_start = _loadavg()
-            res = self._bench(url, model, column, wl)
-            after = wait_idle(url) if ours else {}
-            total, per = resource_seconds(before, after) if ours else (None, {})
-            res, total, per = self._pool(wl.name, column.label, res, total, per)
-            s = res["summary"]
-            good = s["good_requests"] if s["good_requests"] is not None else s["completed"]
-            duration = s["duration_s"]
-            self.cells.setdefault(wl.name, {})[column.label] = build_cell(s, total)
-            self.details.setdefault(wl.name, {})[column.label] = {
-                "busy_per_instance_s": per,
-                "utilization_per_instance": {k: v / duration for k, v in per.items()} if duration > 0 else {},
-                "duration_s": duration,
-                "goodput_rps": s["goodput"],
-                "goodput_per_instance_s": good / (instances * duration) if duration > 0 else None,
-                "send_lag_p99_s": s["send_lag"]["p99"],
-                "e2e_mean_s": s["e2e"]["mean"],
-                "itl_mean_s": s["itl"]["mean"],
-                "output_len_mismatch": s["output_len_mismatch"],
-                "rejected": s["rejected"],
-                "errors": s["errors"],
-                "loadavg_start": load_start,
-                "loadavg_end": _loadavg(),
-            }
-            self.raw.setdefault(wl.name, {})[column.label] = res
-            print(f"{wl.name} / {column.label}: completed {s['completed']}, failed {s['failed']}, TTFT mean "
-                  f"{s['ttft']['mean']}, JCT mean {s['jct']['mean']}, resource {total}", flush=True)
+            if name not in self.probed:
+                self.probed[name] = self.probe(url, model, column, name) if c.rate is None else None
+            for fraction in c.rate_fractions:
+                self._run_cell(column, url, model, name, fraction, ours)
+
+    def _run_cell(self, column: Column, url: str, model: str, name: str, fraction: float, ours: bool) -> None:
+        """One workload at one rate fraction against one running column."""
+        c = self.config
+        instances = c.instances
+        probed = self.probed[name]
+        rate = c.rate if c.rate is not None else probed * fraction  # type: ignore[operator]
+        wl = self._workload(name, c.num_requests, rate, c.seed)
+        key = c.cell_key(wl.name, fraction)
+        if key not in self.rates:
+            self.rates[key] = {"probed_rps": probed, "rate_rps": rate, "requests": c.num_requests,
+                               "rate_fraction": fraction if c.rate is None else None}
+            if probed is not None:
+                print(f"{name}: colocated sustains {probed:.3f} req/s (closed-loop probe); running every "
+                      f"column at {rate:.3f} req/s ({fraction:.0%})", flush=True)
+        self.workload_meta.setdefault(key, {
+            "summary_line": workload_summary_line(wl), "describe": wl.describe(), "key": name,
+            "rate_fraction": fraction if c.rate is None else None,
+        })
+        before = wait_idle(url) if ours else {}
+        load_start = _loadavg()
+        res = self._bench(url, model, column, wl)
+        after = wait_idle(url) if ours else {}
+        total, per = resource_seconds(before, after) if ours else (None, {})
+        res, total, per = self._pool(key, column.label, res, total, per)
+        s = res["summary"]
+        good = s["good_requests"] if s["good_requests"] is not None else s["completed"]
+        duration = s["duration_s"]
+        self.cells.setdefault(key, {})[column.label] = build_cell(s, total)
+        self.details.setdefault(key, {})[column.label] = {
+            "busy_per_instance_s": per,
+            "utilization_per_instance": {k: v / duration for k, v in per.items()} if duration > 0 else {},
+            "duration_s": duration,
+            "goodput_rps": s["goodput"],
+            "goodput_per_instance_s": good / (instances * duration) if duration > 0 else None,
+            "send_lag_p99_s": s["send_lag"]["p99"],
+            "e2e_mean_s": s["e2e"]["mean"],
+            "itl_mean_s": s["itl"]["mean"],
+            "output_len_mismatch": s["output_len_mismatch"],
+            "rejected": s["rejected"],
+            "errors": s["errors"],
+            "loadavg_start": load_start,
+            "loadavg_end": _loadavg(),
+        }
+        self.raw.setdefault(key, {})[column.label] = res
+        print(f"{key} / {column.label}: completed {s['completed']}, failed {s['failed']}, TTFT mean "
+              f"{s['ttft']['mean']}, JCT mean {s['jct']['mean']}, resource {total}", flush=True)
 
     def _pool(self, workload: str, label: str, res: dict[str, Any], total: float | None,
               per: dict[str, float]) -> tuple[dict[str, Any], float | None, dict[str, float]]:
@@ -738,12 +767,13 @@ class SideBySide:
                 for col in c.columns
             ],
             "rate_mode": "auto" if c.rate is None else "fixed",
-            "rate_fraction": c.rate_fraction,
+            "rate_fraction": c.rate_fractions[0],
+            "rate_fractions": list(c.rate_fractions),
             "probe_requests": c.probe_requests,
             "probe_concurrency": c.probe_concurrency,
             "rounds": c.rounds,
             "arrival": c.arrival,
-            "rates": {self._wl_name(k): v for k, v in self.rates.items()},
+            "rates": dict(self.rates),
             "caps": {
                 "max_prompt_tokens": c.max_prompt_tokens,
                 "max_output_tokens": c.max_output_tokens,
@@ -762,18 +792,30 @@ class SideBySide:
         }
         return {"workloads": finalize(cells), "meta": meta}, self.raw
 
-    def _wl_name(self, key: str) -> str:
-        for name, m in self.workload_meta.items():
-            if m.get("key") == key:
-                return name
-        return key
-
 
 # --------------------------------------------------------------------------------------------- plots
 
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def load_sweep_points(result: dict[str, Any]) -> dict[tuple[str, str], list[tuple[float, float, float]]]:
+    """(workload, column) -> [(rate fraction, mean TTFT s, mean JCT s)] sorted by fraction, for a load sweep
+    (cells keyed ``WORKLOAD@PCT%`` with a ``rate_fraction`` in the run's metadata); {} otherwise."""
+    meta = result.get("meta", {})
+    if len(meta.get("rate_fractions", [])) < 2:
+        return {}
+    points: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for key, cells in result["workloads"].items():
+        wmeta = meta.get("workloads", {}).get(key, {})
+        frac = wmeta.get("rate_fraction")
+        if frac is None:
+            continue
+        for col, cell in cells.items():
+            if cell.get("ttft_mean") is not None and cell.get("jct_mean") is not None:
+                points.setdefault((wmeta.get("key", key), col), []).append((frac, cell["ttft_mean"], cell["jct_mean"]))
+    return {k: sorted(v) for k, v in points.items()}
 
 
 def write_plots(
@@ -821,6 +863,23 @@ def write_plots(
         fig.savefig(out / "summary.png", dpi=100)
         plt.close(fig)
         written.append(out / "summary.png")
+    sweep = load_sweep_points(result)
+    if sweep:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for (wl, col), pts in sweep.items():
+            fr = [p[0] * 100 for p in pts]
+            for ax, i in zip(axes, (1, 2), strict=True):
+                ax.plot(fr, [p[i] for p in pts], marker="o", label=f"{wl} / {col}",
+                        ls="-" if col == BASELINE else "--")
+        for ax, title in zip(axes, ("mean TTFT (s)", "mean JCT (s)"), strict=True):
+            ax.set_xlabel("load, % of the colocated probe's sustainable rate")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "load_sweep.png", dpi=100)
+        plt.close(fig)
+        written.append(out / "load_sweep.png")
     for wl, cols in raw.items():
         results = [(label, res) for label, res in cols.items()]
         if results:
