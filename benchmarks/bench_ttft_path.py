@@ -13,37 +13,37 @@ between modes under load beyond this one comes from queueing and interference, n
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 
-import httpx
 from tqdm.auto import tqdm
 
 from tetriinfer.bench import side_by_side as sbs
+from tetriinfer.bench.client import ClientConfig, run_benchmark
+from tetriinfer.bench.metrics import SLO, RequestRecord
+from tetriinfer.bench.workloads import Workload, WorkloadRequest
 from tetriinfer.engine.make_model import default_model_path
 
-MODES: dict[str, list[str]] = {
-    "colocated": ["--instances", "2", "--cores-per-instance", "1", "--kv-cache-memory-gb", "0.25"],
-    "tetriinfer": ["--prefill-instances", "1", "--decode-instances", "1", "--cores-per-instance", "1",
-                   "--kv-cache-memory-gb", "0.25", "--chunk-size", "512", "--prefill-policy", "srtf",
-                   "--kv-backend", "shm"],
+# the side-by-side layouts (2 instances, one core each), with the side-by-side runs' TetriInfer flags
+EXTRA_ARGS: dict[str, list[str]] = {
+    "colocated": [],
+    "tetriinfer": ["--chunk-size", "512", "--prefill-policy", "srtf", "--kv-backend", "shm"],
 }
 
 
-def first_token_s(client: httpx.Client, url: str, model: str, ids: list[int]) -> float:
-    """Seconds from sending the request to its first streamed token (the stream is then read to the end)."""
-    body = {"model": model, "prompt": ids, "max_tokens": 2, "stream": True, "ignore_eos": True}
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if ttft is None and line.startswith("data: ") and '"text"' in line:
-                ttft = time.perf_counter() - t0
-    if ttft is None:
-        raise RuntimeError("the stream ended without a token")
-    return ttft
+def closed_loop_ttfts(url: str, lengths: list[int], repeats: int, seed: int) -> dict[int, list[float]]:
+    """TTFT (send -> first token) of ``repeats`` requests per prompt length, one in flight at a time (the bench
+    client with ``max_concurrency=1``); the first request of each length is a warm-up and is dropped."""
+    reqs = tuple(WorkloadRequest(f"r{rep}-{n}", 0.0, n, 2) for rep in range(repeats) for n in lengths)
+    wl = Workload("ttft-path", reqs, "fixed lengths", "burst", None, seed)
+    cfg = ClientConfig(base_url=url, model=sbs.served_model_id(url), max_concurrency=1, seed=seed, progress=False)
+    records = [RequestRecord.from_dict(r) for r in run_benchmark(cfg, wl, SLO(), "ttft-path")["requests"]]
+    out: dict[int, list[float]] = {}
+    for r in records:
+        if r.ttft_s is None:
+            raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+        if not r.request_id.startswith("r0-"):
+            out.setdefault(r.prompt_tokens, []).append(r.ttft_s)
+    return out
 
 
 def main() -> int:
@@ -58,20 +58,16 @@ def main() -> int:
         raise SystemExit("--repeats must be >= 2 and --rounds >= 1")
     lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
     model = a.model or str(default_model_path())
-    rng = random.Random(a.seed)
     times: dict[tuple[str, int], list[float]] = {}
-    order = list(MODES)
-    with tqdm(total=a.rounds * len(order) * a.repeats * len(lengths), desc="requests") as bar:
+    order = list(EXTRA_ARGS)
+    with tqdm(total=a.rounds * len(order), desc="servers") as bar:
         for rnd in range(a.rounds):
             for mode in order[rnd % len(order):] + order[:rnd % len(order)]:
-                with sbs.serve(model, mode, MODES[mode], 600) as url, httpx.Client(timeout=120) as client:
-                    served = sbs.served_model_id(url)
-                    for rep in range(a.repeats):
-                        for n in lengths:
-                            t = first_token_s(client, url, served, [rng.randrange(10, 2000) for _ in range(n)])
-                            if rep:  # the first request of each length warms the path up
-                                times.setdefault((mode, n), []).append(t)
-                            bar.update(1)
+                args = [*sbs.layout_args(mode, 2, 1), "--kv-cache-memory-gb", "0.25", *EXTRA_ARGS[mode]]
+                with sbs.serve(model, mode, args, 600) as url:
+                    for n, ts in closed_loop_ttfts(url, lengths, a.repeats, a.seed + rnd).items():
+                        times.setdefault((mode, n), []).extend(ts)
+                bar.update(1)
     print("\n| prompt tokens | " + " | ".join(f"{m} median / best ms" for m in order) + " | tetriinfer / colocated |")
     print("|---:|" + "---:|" * (len(order) + 1))
     for n in lengths:
