@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,7 @@ class FakeCluster:
 
     def __init__(self, ttft: float, itl: float) -> None:
         self.ttft, self.itl, self.busy, self.in_flight = ttft, itl, 0.0, 0
+        self.log: list[tuple[int, int]] = []  # (max_tokens, requests in flight including this one) per request
         app = FastAPI()
 
         @app.get("/health")
@@ -212,6 +214,7 @@ class FakeCluster:
 
             async def stream() -> Any:
                 self.in_flight += 1
+                self.log.append((n, self.in_flight))
                 await asyncio.sleep(self.ttft)
                 for i in range(n):
                     if i:
@@ -242,6 +245,9 @@ class FakeCluster:
         self.thread.join(10)
 
 
+SERVERS: list[tuple[str, FakeCluster]] = []  # every fake started, in order (tests clear it first)
+
+
 def fake_servers(monkeypatch: pytest.MonkeyPatch, speeds: dict[str, tuple[float, float]]) -> list[tuple[str, tuple[str, ...]]]:
     """Replace ``serve`` with in-process FakeClusters (mode -> (ttft, itl)) and ``wait_idle`` with a direct
     ``/cluster`` read; returns the list that records each (mode, args) started, in order."""
@@ -251,6 +257,7 @@ def fake_servers(monkeypatch: pytest.MonkeyPatch, speeds: dict[str, tuple[float,
     def fake_serve(model: str, mode: str, args: list[str], timeout: float) -> Iterator[str]:
         started.append((mode, tuple(args)))
         srv = FakeCluster(*speeds[mode])
+        SERVERS.append((mode, srv))
         try:
             yield srv.start()
         finally:
@@ -362,6 +369,47 @@ def test_load_sweep_probes_once_and_runs_every_fraction(monkeypatch: pytest.Monk
     assert (tmp_path / "plots" / "load_sweep.png") in plots
 
 
+def test_ttft_floor_is_measured_once_per_workload_on_the_baseline(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    SERVERS.clear()
+    speeds = {"colocated": (0.05, 0.004), "tetriinfer": (0.02, 0.002)}
+    fake_servers(monkeypatch, speeds)
+    cols = sbs.parse_columns("tetriinfer,colocated", [], [])
+    cfg = sbs.SideBySideConfig(
+        str(tmp_path), ("lpld", "mixed"), cols, num_requests=5, probe_requests=4, probe_concurrency=2,
+        max_prompt_tokens=300, max_output_tokens=12, progress=False, rate_fractions=(0.5, 1.5), rounds=2,
+    )
+    result, raw = sbs.SideBySide(cfg, "test").run()
+    floors = result["meta"]["ttft_floor"]
+    assert set(floors) == {"lpld", "mixed"}
+    for f in floors.values():  # the fake's TTFT is 0.05 s when alone: the floor sees exactly that
+        assert f["requests"] == 5 and 0.05 <= f["mean_s"] < 0.2 and 0.05 <= f["median_s"] < 0.2
+    # floor requests ran only on colocated (once per workload over both fractions and rounds), one at a time
+    for mode, srv in SERVERS:
+        floor_reqs = [(n, inflight) for n, inflight in srv.log if n == 1]
+        if mode == "tetriinfer":
+            assert floor_reqs == []
+    coloc = [srv for mode, srv in SERVERS if mode == "colocated"]
+    first_round = [(n, inflight) for n, inflight in coloc[0].log if n == 1]
+    assert len(first_round) == 2 * 5 and all(inflight == 1 for _, inflight in first_round)
+    assert all(n != 1 for n, _ in coloc[1].log)  # the second round re-uses the floors
+    rows = {r["workload"]: r for r in sbs.ttft_floor_rows(result)}
+    assert set(rows) == set(result["workloads"]) == {"lpld@50%", "lpld@150%", "mixed@50%", "mixed@150%"}
+    for key, r in rows.items():
+        base = result["workloads"][key]["colocated"]["ttft_mean"]
+        assert r["floor_s"] == floors[key.split("@")[0]]["mean_s"]
+        assert r["best_change"] == pytest.approx(r["floor_s"] / base - 1)
+        assert r["over_floor"]["colocated"] == pytest.approx(base / r["floor_s"])
+        assert r["over_floor"]["tetriinfer"] == pytest.approx(
+            result["workloads"][key]["tetriinfer"]["ttft_mean"] / r["floor_s"])
+    md = sbs.markdown_report(result)
+    assert "## TTFT floor" in md and "| lpld@150% | " in md and "tetriinfer / floor" in md
+    # off: nothing measured, no section
+    cfg_off = replace(cfg, ttft_floor=False, rate_fractions=(0.5,), rounds=1, workloads=("lpld",))
+    result_off, _ = sbs.SideBySide(cfg_off, "test").run()
+    assert result_off["meta"]["ttft_floor"] == {} and "## TTFT floor" not in sbs.markdown_report(result_off)
+
+
 # --------------------------------------------------------------------------------- a tiny real run
 
 
@@ -390,4 +438,6 @@ def test_tiny_real_side_by_side(tiny_llama: Path, tmp_path: Path) -> None:
     busy = result["meta"]["details"]["lpld"]["tetriinfer"]["busy_per_instance_s"]
     assert set(busy) == {"prefill-0", "decode-0"} and all(v > 0 for v in busy.values())
     assert result["meta"]["rates"]["lpld"]["probed_rps"] > 0
-    assert "| lpld | tetriinfer |" in md.read_text()
+    floor = result["meta"]["ttft_floor"]["lpld"]
+    assert floor["requests"] == 4 and 0 < floor["mean_s"] <= cells["colocated"]["ttft_mean"] * 3
+    assert "| lpld | tetriinfer |" in md.read_text() and "## TTFT floor" in md.read_text()

@@ -45,7 +45,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,7 @@ class SideBySideConfig:
     kv_cache_memory_gb: float = 0.25
     progress: bool = True
     rounds: int = 1  # every column runs every workload this many times, column order rotated; records pooled
+    ttft_floor: bool = True  # measure each workload's isolated-prefill TTFT on the baseline (see measure_floor)
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -335,6 +336,40 @@ def relative_rows(workloads: dict[str, dict[str, dict[str, Any]]]) -> list[dict[
 # ------------------------------------------------------------------------------------------ markdown
 
 
+def ttft_floor_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cell with a measured floor: the floor, the baseline's mean TTFT, the best possible TTFT change vs the
+    baseline for one-core-per-prompt prefill (``floor / baseline - 1``), and every column's mean TTFT / floor."""
+    meta = result.get("meta", {})
+    floors, wmeta = meta.get("ttft_floor", {}), meta.get("workloads", {})
+    rows = []
+    for key, cols in result["workloads"].items():
+        floor = floors.get(wmeta.get(key, {}).get("key", key), {}).get("mean_s")
+        if not floor:
+            continue
+        base = cols.get(BASELINE, {}).get("ttft_mean")
+        rows.append({
+            "workload": key, "floor_s": floor, "baseline_ttft_s": base,
+            "best_change": floor / base - 1 if base else None,
+            "over_floor": {label: c["ttft_mean"] / floor for label, c in cols.items() if c.get("ttft_mean")},
+        })
+    return rows
+
+
+def ttft_floor_table(result: dict[str, Any]) -> str:
+    rows = ttft_floor_rows(result)
+    if not rows:
+        return ""
+    labels = list(rows[0]["over_floor"])
+    head = "| workload | floor TTFT (s) | colocated TTFT (s) | best possible TTFT change | " + " | ".join(
+        f"{lab} / floor" for lab in labels) + " |"
+    out = [head, "|---|---:|---:|---:|" + "---:|" * len(labels)]
+    for r in rows:
+        out.append(f"| {r['workload']} | {_num(r['floor_s'], 3)} | {_num(r['baseline_ttft_s'], 3)} | "
+                   f"{_pct(r['best_change'])} | " + " | ".join(_num(r["over_floor"].get(lab)) + "x"
+                                                            for lab in labels) + " |")
+    return "\n".join(out)
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:+.0f}%"
 
@@ -442,6 +477,16 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
         "TTFT and JCT are means; resource = total busy seconds of all instances during the workload; "
         "perf/$ = (1 + JCT reduction) / (resource ratio), the form the paper's numbers fit (1.0 = colocated).",
     ]
+    floor_table = ttft_floor_table(result)
+    if floor_table:
+        lines += [
+            "", "## TTFT floor: how much of TTFT is waiting", "",
+            "Each workload's requests sent again to the colocated baseline one at a time with 1 output token: the "
+            "TTFT each prompt gets with nothing queued or running (the floor). A column's mean TTFT over the floor is "
+            "waiting and interference; `floor / colocated TTFT - 1` is the largest TTFT change any design can show "
+            "against colocated here while it prefills each prompt on one core at this engine's speed.", "",
+            floor_table,
+        ]
     for wl in result["workloads"]:
         wl_meta = meta.get("workloads", {}).get(wl, {})
         lines += ["", f"## {wl}", ""]
@@ -582,6 +627,7 @@ class SideBySide:
         self.details: dict[str, dict[str, dict[str, Any]]] = {}
         self.raw: dict[str, dict[str, dict[str, Any]]] = {}
         self.workload_meta: dict[str, dict[str, Any]] = {}
+        self.floors: dict[str, dict[str, Any]] = {}  # workload as given -> its TTFT floor (measure_floor)
         # (workload, column) -> records of every round so far, summed durations, busy seconds, rounds
         self._pooled: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -630,6 +676,25 @@ class SideBySide:
         sent = len(wl) - wl.num_rejected
         return closed_loop_rate(finishes, sent, min(c.probe_concurrency, sent - 1))
 
+    # -- TTFT floor
+    def measure_floor(self, url: str, model: str, column: Column, name: str) -> dict[str, Any]:
+        """The workload's own requests (same prompt lengths as its cells) sent to the baseline one at a time
+        with ``max_tokens=1``: the TTFT each prompt gets with nothing else queued or running. A cell's mean TTFT
+        over this floor is waiting and interference; ``floor / baseline TTFT - 1`` is the largest TTFT change any
+        design can show here while prefilling each prompt on one core at this engine's speed."""
+        c = self.config
+        rate = c.rate if c.rate is not None else (self.probed[name] or 1.0) * c.rate_fractions[0]
+        wl = self._workload(name, c.num_requests, rate, c.seed)
+        single = replace(wl, name=f"{wl.name}-floor",
+                         requests=tuple(replace(r, arrival_s=0.0, output_tokens=1) for r in wl.requests))
+        res = self._bench(url, model, column, single, max_concurrency=1)
+        ttfts = [t for r in res["requests"] if (t := RequestRecord.from_dict(r).ttft_s) is not None]
+        floor = {"mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+                 "median_s": sorted(ttfts)[len(ttfts) // 2] if ttfts else None, "requests": len(ttfts)}
+        print(f"{name}: TTFT floor (one request at a time, 1 output token, on {column.label}) "
+              f"mean {_num(floor['mean_s'], 3)} s over {len(ttfts)} requests", flush=True)
+        return floor
+
     # -- one column
     def _run_column(self, column: Column, url: str, ours: bool) -> None:
         c = self.config
@@ -641,6 +706,8 @@ class SideBySide:
         for name in c.workloads:
             if name not in self.probed:
                 self.probed[name] = self.probe(url, model, column, name) if c.rate is None else None
+            if ours and c.ttft_floor and column.label == BASELINE and name not in self.floors:
+                self.floors[name] = self.measure_floor(url, model, column, name)
             for fraction in c.rate_fractions:
                 self._run_cell(column, url, model, name, fraction, ours)
 
@@ -789,6 +856,7 @@ class SideBySide:
             },
             "workloads": self.workload_meta,
             "details": self.details,
+            "ttft_floor": dict(self.floors),
         }
         return {"workloads": finalize(cells), "meta": meta}, self.raw
 
