@@ -19,12 +19,13 @@ MODES = {
     "tetriinfer-shm": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "shm"],
     "tetriinfer-torchdist": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "torchdist"],
     "tetriinfer-local": ["--mode", "tetriinfer", "--chunk-size", "32", "--local-prefill", "--local-prefill-weight", "0"],
+    "tetriinfer-keep": ["--mode", "tetriinfer", "--chunk-size", "32", "--keep-decode", "--keep-decode-ratio", "1"],
     "distserve": ["--mode", "distserve", "--chunk-size", "64"],
     "colocated": ["--mode", "colocated", "--instances", "2"],
     "sarathi": ["--mode", "sarathi", "--instances", "2", "--chunk-size", "64"],
 }
 DISAGGREGATED = ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "tetriinfer-torchdist", "tetriinfer-local",
-                 "distserve")
+                 "tetriinfer-keep", "distserve")
 PROMPTS = ["Hello there", "The capital of France is", "Write a poem about the sea and the sky, please."]
 
 
@@ -139,6 +140,9 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
     if server.mode == "tetriinfer-local":  # a burst backs up the prefill instance: some prefill at the decode one
         assert 0 < info["local_prefills"] < 64
         assert info["transfers"]["count"] + info["local_prefills"] >= 64
+    elif server.mode == "tetriinfer-keep":  # the burst's tail, with the decode instance busy, decodes at prefill-0
+        assert 0 < info["kept_decodes"] < 64
+        assert info["transfers"]["count"] + info["kept_decodes"] >= 64
     elif server.mode in DISAGGREGATED:
         assert info["transfers"]["count"] >= 64
         metrics = httpx.get(f"{server.base_url}/metrics").text

@@ -201,6 +201,25 @@ class DecodeScheduler:
         self._table.add(req)
         return True
 
+    def adopt(self, req: Request) -> None:
+        """Take over a request prefilled *on this instance* whose KV blocks this KV manager already holds under
+        its id (a prefill instance keeping a decode, ``core.keep_decode``): it decodes from the next step, in the
+        blocks it has; no admission check (the caller's rule bounds what it keeps). Raises ValueError if it is
+        not prefilled here or already held."""
+        rid = req.request_id
+        self._table.require_new(rid)
+        if req.is_finished or not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            raise ValueError(f"request {rid!r} must be prefilled (first token sampled, context computed)")
+        if req.num_output_tokens >= req.sampling_params.max_tokens:
+            raise ValueError(f"request {rid!r} already has all its {req.num_output_tokens} output tokens")
+        held = self.kv.num_blocks_of(rid)
+        if held < self.kv.pool.blocks_for_tokens(req.num_computed_tokens):
+            raise ValueError(f"request {rid!r} holds {held} blocks here, fewer than its computed context needs")
+        self._target[rid] = held
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._table.add(req)
+
     def _allocate(self, req: Request, now_blocks: int) -> bool:
         """The admission decision shared by ``reserve`` and ``admit_local``: on yes, the request's blocks are
         allocated and its reservation target recorded (the caller files it in a queue)."""

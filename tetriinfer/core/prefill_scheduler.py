@@ -136,6 +136,17 @@ class PrefillScheduler:
         self._table.remove(request_id)  # leaves unfinished: not reported in finished_request_ids
         return self.kv.free_request(request_id)
 
+    def keep(self, request_id: str) -> Request:
+        """Hand a prefilled request over *with its blocks* to a decode scheduler on this same instance
+        (``DecodeScheduler.adopt``): it is forgotten here, nothing is freed. Unknown or not-yet-prefilled
+        ids raise KeyError."""
+        req = self.handed_over.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not handed over at this prefill instance")
+        self._awaiting_prediction.discard(request_id)
+        self._table.remove(request_id)
+        return req
+
     def abort(self, request_id: str) -> Request | None:
         return self._table.finish(request_id, RequestStatus.FINISHED_ABORTED)
 

@@ -102,6 +102,7 @@ class ClusterEngineClient:
         )
         self.flip_log: list[dict[str, Any]] = []
         self.transfer_log = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self.num_kept_decodes = 0  # requests a prefill instance decoded itself (--keep-decode)
         self.predictor_log = {"count": 0, "seconds": 0.0}
         self.metrics: Any = None  # a server.metrics.ServerMetrics, set by the server
         self._ctx: zmq.asyncio.Context | None = None
@@ -172,7 +173,8 @@ class ClusterEngineClient:
             prefill_policy=prefill_policy, prefill_sched_batch=c.prefill_sched_batch, dispatch_policy=dispatch,
             decode_policy=decode_policy, colocated_policy="sarathi" if c.mode == "sarathi" else "vllm",
             max_num_batched_tokens=c.chunk_size if c.mode == "sarathi" else c.max_num_batched_tokens,
-            heavy_decode_tokens=c.heavy_decode_tokens, kv_backend=c.kv_backend, kv_rank=index,
+            heavy_decode_tokens=c.heavy_decode_tokens, keep_decode=c.keep_decode and c.disaggregated,
+            keep_decode_ratio=c.keep_decode_ratio, kv_backend=c.kv_backend, kv_rank=index,
             kv_world_size=len(c.roles()), kv_init_method=self._kv_init_method, kv_transfer=c.kv_transfer, link_bandwidth=c.link_bandwidth,
             transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
             fault_drop_p=c.fault_drop_p, fault_delay_p=c.fault_delay_p, fault_corrupt_p=c.fault_corrupt_p,
@@ -363,6 +365,9 @@ class ClusterEngineClient:
             elif isinstance(msg, Dispatched):
                 with contextlib.suppress(KeyError, ValueError):
                     self.policy.on_dispatched(msg.request_id, msg.decode_id)
+                target = self.instances.get(msg.decode_id)
+                if target is not None and target.role == "prefill":  # kept there to decode (--keep-decode)
+                    self.num_kept_decodes += 1
             elif isinstance(msg, TransferStat):
                 self.transfer_log["count"] += 1
                 self.transfer_log["bytes"] += msg.num_bytes
@@ -459,6 +464,7 @@ class ClusterEngineClient:
             "transfers": dict(self.transfer_log),
             "predictor": dict(self.predictor_log),
             "local_prefills": self.policy.num_local_prefills,
+            "kept_decodes": self.num_kept_decodes,
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
         }
 

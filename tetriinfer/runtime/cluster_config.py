@@ -56,6 +56,8 @@ class ClusterConfig:
     fault_corrupt_p: float = 0.0
     local_prefill: bool = False  # conditional disaggregation: decode instances may prefill when the prefill tier is backed up
     local_prefill_weight: float = 0.25  # LocalPrefillConfig.interference_weight
+    keep_decode: bool = False  # the reverse: a prefill instance decodes some requests itself (core.keep_decode)
+    keep_decode_ratio: float = 0.5
     flip: bool = False
     flip_threshold: float = 0.1
     flip_window_s: float = 2.0
@@ -82,6 +84,8 @@ class ClusterConfig:
             raise ValueError("report_interval_s must be > 0")
         if self.local_prefill_weight < 0:
             raise ValueError("local_prefill_weight must be >= 0")
+        if not self.keep_decode_ratio > 0:
+            raise ValueError(f"keep_decode_ratio must be > 0, got {self.keep_decode_ratio}")
 
     @property
     def disaggregated(self) -> bool:

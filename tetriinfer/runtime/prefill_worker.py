@@ -6,6 +6,11 @@ KV copied to a staging buffer and the device blocks released -> dispatched (Hand
 instance) -> KVReady (the decode side reserved blocks and posted memory) -> sent -> KVDone: staging
 freed. A KVDone(failed) re-dispatches (up to ``max_dispatch_attempts``), then the request fails with a
 clean error. Abort at any point frees whatever the request holds here.
+
+With ``keep_decode`` (``core.keep_decode``) a just-prefilled request may instead stay: its blocks pass from
+the prefill scheduler to a decode scheduler of this instance (``PrefillScheduler.keep`` ->
+``DecodeScheduler.adopt``, nothing copied or freed) and it decodes here in steps where no prompt is queued
+(prefill keeps priority), reported to the front end as dispatched to this instance.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
+from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
@@ -101,6 +108,15 @@ class PrefillWorker:
         self.no_stream: set[str] = set()  # requests whose chunk-wise transfer failed
         self.awaiting_dispatch: deque[str] = deque()
         self.oracle: dict[str, int] = {}
+        self.keep_config = KeepDecodeConfig(enabled=spec.keep_decode, ratio=spec.keep_decode_ratio)
+        self.kept = DecodeScheduler(  # requests decoded here (keep_decode); shares this instance's KV blocks
+            DecodeSchedulerConfig(
+                policy="greedy", max_num_seqs=spec.max_num_seqs, max_model_len=ctx.max_model_len,
+                heavy_decode_tokens=spec.heavy_decode_tokens,
+            ),
+            ctx.kv_manager,
+        )
+        self.num_kept = 0
 
     # ---- messages ------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -158,19 +174,40 @@ class PrefillWorker:
     def has_work(self) -> bool:
         # Requests waiting only for their prediction do not count: the loop then sleeps on its socket
         # (<= 5 ms) instead of spinning on the core the predictor thread needs.
-        return self.scheduler.num_queued > 0 or bool(self.awaiting_dispatch)
+        return (self.scheduler.num_queued > 0 or bool(self.awaiting_dispatch)
+                or bool(self.kept.running or self.kept.suspended))
 
     def is_empty(self) -> bool:
-        return not self.scheduler.has_unfinished() and not self.staged and not self.streams
+        return (not self.scheduler.has_unfinished() and not self.staged and not self.streams
+                and not self.kept.has_unfinished())
 
     def step(self) -> bool:
+        """One prefill chunk if a prompt is queued (and can get blocks), else one decode step of kept requests."""
         self._collect_predictions()
         self._retry_dispatch()
-        if self.scheduler.num_queued == 0:
+        if self.scheduler.num_queued:
+            out = self.scheduler.schedule()
+            if not out.is_empty:
+                self._prefill_step(out)
+                return True
+        return self._decode_step()
+
+    def _decode_step(self) -> bool:
+        kept = self.kept
+        if not (kept.running or kept.suspended):
             return False
-        out = self.scheduler.schedule()
+        out = kept.schedule()
+        if out.swapped_out or out.swapped_in:
+            raise RuntimeError("swap preemption is not wired into the runtime; use recompute")
+        upd = kept.update(out, self.ctx.runner.execute(out))
         if out.is_empty:
+            for req in upd.finished:
+                self.ctx.emit_finished(req)
             return False
+        self.ctx.emit_update(kept.requests, upd.new_tokens, upd.finished)
+        return True
+
+    def _prefill_step(self, out) -> None:
         result = self.ctx.runner.execute(out)
         upd = self.scheduler.update(out, result)
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
@@ -185,7 +222,6 @@ class PrefillWorker:
             self._on_prefilled(req)
         if self.chunk_mode:
             self._pump_streams()
-        return True
 
     def _on_prefilled(self, req: Request) -> None:
         stream = self.streams.get(req.request_id)
@@ -250,8 +286,32 @@ class PrefillWorker:
         if stream is not None and stream.transfer_id is not None:
             self._release_tid(stream.transfer_id)
 
+    def _try_keep(self, req: Request) -> bool:
+        """Keep a just-prefilled request here to decode it (``core.keep_decode``)? If so its blocks move to
+        ``self.kept`` and the front end learns it is decoding on this instance."""
+        if not self.keep_config.enabled:
+            return False
+        kv, cap = self.ctx.kv_manager, self.ctx.max_model_len
+
+        def full_blocks(r: Request) -> int:
+            return kv.pool.blocks_for_tokens(min(r.num_prompt_tokens + r.sampling_params.max_tokens, cap))
+
+        if not should_keep(
+            self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
+            own_queued=self.scheduler.num_queued,
+            own_committed_blocks=sum(full_blocks(r) for r in self.kept.requests.values()),
+            request_blocks=full_blocks(req), pool_blocks=kv.num_blocks, decode_loads=self.decode_loads,
+        ):
+            return False
+        self.kept.adopt(self.scheduler.keep(req.request_id))
+        self.num_kept += 1
+        self.ctx.send_front(Dispatched(req.request_id, self.ctx.instance_id))
+        return True
+
     def _stage(self, req: Request) -> None:
-        """Copy the request's KV out of the device blocks, release them, and dispatch."""
+        """Copy the request's KV out of the device blocks, release them, and dispatch (or keep it here)."""
+        if self._try_keep(req):
+            return
         table = self.scheduler.block_table(req.request_id)
         n = self.ctx.kv_manager.pool.blocks_for_tokens(req.num_computed_tokens)
         tensors = self.ctx.runner.kv.read_blocks(table[:n])
@@ -407,12 +467,14 @@ class PrefillWorker:
         if self.scheduler.abort(rid) is None:
             if rid in self.scheduler.handed_over:
                 self.scheduler.release(rid)
+        self.kept.abort(rid)
         self._drop(rid)
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
-        if self.staged:
+        held = len(self.staged) + len(self.kept.running) + len(self.kept.suspended)  # prefilled, KV still here
+        if held:
             from dataclasses import replace
 
-            rep = replace(rep, num_running=rep.num_running + len(self.staged))
+            rep = replace(rep, num_running=rep.num_running + held)
         return rep

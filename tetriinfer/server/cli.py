@@ -50,6 +50,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "tier's backlog exceeds the interference that costs (disaggregated modes)")
     p.add_argument("--local-prefill-weight", type=float, default=0.25,
                    help="weight of the running decodes' delay against the request's own wait (0: TTFT only)")
+    p.add_argument("--keep-decode", action=argparse.BooleanOptionalAction, default=False,
+                   help="the reverse of --local-prefill: a prefill instance with no prompt queued keeps a request it "
+                        "just prefilled and decodes it itself (no KV transfer) while its own decodes are fewer than "
+                        "--keep-decode-ratio x the least-loaded decode instance's; prefill keeps priority there")
+    p.add_argument("--keep-decode-ratio", type=float, default=0.5)
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--flip-threshold", type=float, default=0.1)
     p.add_argument("--flip-window", type=float, default=2.0)
@@ -77,6 +82,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
         local_prefill=args.local_prefill, local_prefill_weight=args.local_prefill_weight,
+        keep_decode=args.keep_decode, keep_decode_ratio=args.keep_decode_ratio,
         flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,

@@ -1,0 +1,154 @@
+"""Decode at a prefill instance (``core.keep_decode``): the keep rule, and the block hand-over from the prefill
+scheduler to a decode scheduler sharing one KV cache (``PrefillScheduler.keep`` -> ``DecodeScheduler.adopt``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
+from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
+from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.core.step import StepResult
+
+ON = KeepDecodeConfig(enabled=True, ratio=0.5, max_running=4, max_kv_fraction=0.5)
+
+
+def decode_load(iid: str, running: int, queued: int = 0, state: InstanceState = InstanceState.ACTIVE) -> LoadReport:
+    return LoadReport(iid, Role.DECODE, state=state, num_running=running, num_queued=queued, num_free_blocks=100,
+                      block_size=16)
+
+
+def keep(cfg: KeepDecodeConfig = ON, **kw: object) -> bool:
+    args: dict = {"own_running": 0, "own_queued": 0, "own_committed_blocks": 0, "request_blocks": 4,
+                  "pool_blocks": 100, "decode_loads": [decode_load("d0", 6), decode_load("d1", 4)]}
+    args.update(kw)
+    return should_keep(cfg, **args)
+
+
+def test_keep_rule_on_crafted_scenarios() -> None:
+    assert keep()  # 0 + 1 <= 0.5 * 4 (the least-loaded decode instance)
+    assert not keep(KeepDecodeConfig())  # off by default
+    assert not keep(own_queued=1)  # a prompt waits here: stay a prefill instance
+    assert keep(own_running=1) and not keep(own_running=2)  # 2 + 1 > 0.5 * 4
+    assert not keep(decode_loads=[decode_load("d0", 1, queued=0)])  # idle decode tier gets the request
+    assert keep(decode_loads=[decode_load("d0", 1, queued=3)])  # queued decodes count as load
+    assert not keep(decode_loads=[])  # nothing to compare with
+    # draining decode instances are not candidates: the least-loaded ACTIVE one decides
+    assert not keep(decode_loads=[decode_load("d0", 0, state=InstanceState.DRAINING), decode_load("d1", 1)])
+    assert keep(decode_loads=[decode_load("d0", 0, state=InstanceState.DRAINING), decode_load("d1", 8)])
+    # KV cap: kept decodes at full length stay within half the pool
+    assert keep(own_committed_blocks=46, request_blocks=4) and not keep(own_committed_blocks=47, request_blocks=4)
+    many = [decode_load("d0", 100)]
+    assert keep(own_running=3, decode_loads=many) and not keep(own_running=4, decode_loads=many)  # max_running
+
+
+def test_config_validation() -> None:
+    for bad in ({"ratio": 0}, {"max_running": 0}, {"max_kv_fraction": 0}, {"max_kv_fraction": 1.5}):
+        with pytest.raises(ValueError):
+            KeepDecodeConfig(**bad)  # type: ignore[arg-type]
+
+
+def _pair(blocks: int = 40, chunk: int = 32) -> tuple[PrefillScheduler, DecodeScheduler, KVCacheManager]:
+    kv = KVCacheManager(blocks, 4)
+    pre = PrefillScheduler(PrefillSchedulerConfig(policy="fcfs", chunk_size=chunk), kv)
+    dec = DecodeScheduler(DecodeSchedulerConfig(policy="greedy", max_model_len=4096), kv)
+    return pre, dec, kv
+
+
+def _prefill_step(pre: PrefillScheduler) -> list[Request]:
+    out = pre.schedule()
+    return list(pre.update(out, StepResult(out.step_id, {s.request_id: 7 for s in out.segments if s.sample})).prefilled)
+
+
+def _decode_step(dec: DecodeScheduler) -> list[Request]:
+    out = dec.schedule()
+    return list(dec.update(out, StepResult(out.step_id, {s.request_id: 9 for s in out.segments if s.sample})).finished)
+
+
+def test_keep_hands_blocks_over_without_copy_or_free() -> None:
+    pre, dec, kv = _pair()
+    pre.add_request(Request("a", [3] * 10, SamplingParams(max_tokens=5)))
+    (req,) = _prefill_step(pre)
+    table = kv.block_table("a")
+    dec.adopt(pre.keep("a"))
+    assert not pre.has_unfinished() and kv.block_table("a") == table  # same blocks, nothing moved
+    assert req.status is RequestStatus.RUNNING and dec.running == [req]
+    finished: list[Request] = []
+    while not finished:
+        kv.check_invariants()
+        assert kv.num_free_blocks + kv.num_used_blocks == kv.num_blocks
+        finished = _decode_step(dec)
+    assert finished == [req] and req.num_output_tokens == 5 and req.output_token_ids == [7, 9, 9, 9, 9]
+    assert kv.num_free_blocks == kv.num_blocks and not dec.has_unfinished()
+    with pytest.raises(KeyError):
+        pre.keep("a")
+
+
+def test_adopt_refuses_what_is_not_prefilled_here() -> None:
+    pre, dec, kv = _pair()
+    fresh = Request("f", [3] * 10, SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="prefilled"):
+        dec.adopt(fresh)
+    pre.add_request(Request("a", [3] * 10, SamplingParams(max_tokens=5)))
+    (req,) = _prefill_step(pre)
+    other = Request("b", [3] * 10, SamplingParams(max_tokens=5))  # prefilled elsewhere: holds no blocks here
+    other.output_token_ids.append(7)
+    other.num_computed_tokens = 10
+    with pytest.raises(ValueError, match="blocks"):
+        dec.adopt(other)
+    done = Request("c", [3] * 10, SamplingParams(max_tokens=1))
+    done.output_token_ids.append(7)
+    done.num_computed_tokens = 10
+    with pytest.raises(ValueError, match="output tokens"):
+        dec.adopt(done)
+    dec.adopt(pre.keep("a"))
+    with pytest.raises(ValueError, match="duplicate"):
+        dec.adopt(req)
+    assert dec.abort("a") is req and kv.num_free_blocks == kv.num_blocks  # abort frees the kept blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), blocks=st.integers(12, 60))
+def test_property_prefill_and_kept_decodes_share_one_pool(seed: int, blocks: int) -> None:
+    """Random prompts and outputs through one prefill scheduler whose prefilled requests are either kept
+    (decoded by a decode scheduler on the same KV cache) or released (sent away); prefill has priority, as in
+    the runtime's step. Every request ends exactly once, free + used = pool at every step, all blocks free."""
+    rng = random.Random(seed)
+    pre, dec, kv = _pair(blocks=blocks, chunk=16)
+    n = rng.randint(1, 12)
+    reqs = [Request(f"r{i}", [3] * rng.randint(1, 30), SamplingParams(max_tokens=rng.randint(1, 20)))
+            for i in range(n)]
+    pending = list(reqs)
+    ended: list[str] = []
+    for _ in range(5000):
+        if pending and rng.random() < 0.3:
+            pre.add_request(pending.pop(0))
+        stepped = False
+        if pre.num_queued:
+            out = pre.schedule()
+            if not out.is_empty:
+                upd = pre.update(out, StepResult(out.step_id, {s.request_id: 7 for s in out.segments if s.sample}))
+                ended += [r.request_id for r in upd.finished]
+                for r in upd.prefilled:
+                    if rng.random() < 0.6:
+                        dec.adopt(pre.keep(r.request_id))
+                    else:
+                        pre.release(r.request_id)
+                        ended.append(r.request_id)  # sent to a decode instance: ends here
+                stepped = True
+        if not stepped and (dec.running or dec.suspended):
+            ended += [r.request_id for r in _decode_step(dec)]
+        kv.check_invariants()
+        assert kv.num_free_blocks + kv.num_used_blocks == kv.num_blocks
+        if not pending and not pre.has_unfinished() and not dec.has_unfinished():
+            break
+    assert sorted(ended) == sorted(r.request_id for r in reqs)  # each exactly once
+    assert kv.num_free_blocks == kv.num_blocks
