@@ -151,17 +151,22 @@ class DecodeScheduler:
         shortest = min(self.running, key=remaining)
         return max(self._target[shortest.request_id], self.kv.num_blocks_of(shortest.request_id))
 
-    def reserve(self, req: Request) -> bool:
-        """Admit a prefilled request and allocate its blocks before its KV is transferred.
-
-        Returns False when the admission policy refuses (try later or elsewhere); raises ValueError if
-        the request can never run here (malformed, or its context exceeds the model or the pool)."""
+    def _check_prefilled(self, req: Request) -> None:
+        """ValueError unless ``req`` is new here, prefilled (first token sampled, context computed) and unfinished."""
         rid = req.request_id
         self._table.require_new(rid)
         if req.is_finished or not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
             raise ValueError(f"request {rid!r} must arrive prefilled (first token sampled, context computed)")
         if req.num_output_tokens >= req.sampling_params.max_tokens:
             raise ValueError(f"request {rid!r} already has all its {req.num_output_tokens} output tokens")
+
+    def reserve(self, req: Request) -> bool:
+        """Admit a prefilled request and allocate its blocks before its KV is transferred.
+
+        Returns False when the admission policy refuses (try later or elsewhere); raises ValueError if
+        the request can never run here (malformed, or its context exceeds the model or the pool)."""
+        rid = req.request_id
+        self._check_prefilled(req)
         if req.num_tokens >= self.config.max_model_len:
             raise ValueError(f"request {rid!r} ({req.num_tokens} tokens) fills the model context already")
         now_blocks = self.kv.pool.blocks_for_tokens(req.num_tokens)
@@ -207,11 +212,7 @@ class DecodeScheduler:
         blocks it has; no admission check (the caller's rule bounds what it keeps). Raises ValueError if it is
         not prefilled here or already held."""
         rid = req.request_id
-        self._table.require_new(rid)
-        if req.is_finished or not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
-            raise ValueError(f"request {rid!r} must be prefilled (first token sampled, context computed)")
-        if req.num_output_tokens >= req.sampling_params.max_tokens:
-            raise ValueError(f"request {rid!r} already has all its {req.num_output_tokens} output tokens")
+        self._check_prefilled(req)
         held = self.kv.num_blocks_of(rid)
         if held < self.kv.pool.blocks_for_tokens(req.num_computed_tokens):
             raise ValueError(f"request {rid!r} holds {held} blocks here, fewer than its computed context needs")
