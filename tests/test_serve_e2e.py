@@ -159,3 +159,38 @@ def test_cluster_endpoint_shape(server):
     for inst in info["instances"]:
         assert {"id", "role", "pid", "host", "state", "kv_blocks_used", "kv_blocks_total", "queued", "running"} <= set(inst)
         assert inst["kv_blocks_total"] > 0
+
+
+def test_keep_decode_waves_match_offline_engine(tiny_llama):
+    """``--keep-decode``: a first wave leaves the decode instance busy, so the prefill instance keeps some of
+    its requests; a second wave's prompts are then prefilled while those kept decodes run, which rides them
+    along in the prefill chunks (one merged forward). Every output is exactly the offline engine's, every
+    block is freed, and the front end counted the kept requests."""
+    waves = [[f"Wave {w} request {i}: " + "tell me more about the sea " * (1 + (i * 3 + w) % 6) for i in range(8)]
+             for w in range(2)]
+    llm = LLM(model=str(tiny_llama))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reference = [[o.outputs[0].text for o in llm.generate(prompts, params)] for prompts in waves]
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--chunk-size", "64", "--keep-decode",
+                       "--keep-decode-ratio", "4")
+    try:
+        async def run() -> list[list[str]]:
+            client = openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=300)
+
+            async def wave(prompts: list[str], delay: float) -> list[str]:
+                await asyncio.sleep(delay)
+                outs = await asyncio.gather(*(
+                    client.completions.create(model="llama", prompt=p, max_tokens=40, temperature=0.0,
+                                              extra_body={"ignore_eos": True})
+                    for p in prompts
+                ))
+                return [o.choices[0].text for o in outs]
+
+            return list(await asyncio.gather(wave(waves[0], 0.0), wave(waves[1], 0.6)))
+
+        assert asyncio.run(run()) == reference
+        info = _wait_idle(srv)
+        assert info["kept_decodes"] > 0
+        assert all(i["kv_blocks_used"] == 0 for i in info["instances"]) and info["requests_in_flight"] == 0
+    finally:
+        assert srv.stop() == 0

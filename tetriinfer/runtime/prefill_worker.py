@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,6 +27,7 @@ from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
+from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
 from tetriinfer.runtime.messages import (
     Abort,
     DecodeLoads,
@@ -41,6 +42,17 @@ from tetriinfer.runtime.messages import (
     decode_load,
 )
 from tetriinfer.runtime.worker_base import InstanceContext, load_from_wire
+
+
+def _part(result: StepResult, out: SchedulerOutput) -> StepResult:
+    """The share of a merged step's result that belongs to one scheduler's ``out`` (its step id, its samples)."""
+    ids = {s.request_id for s in out.segments if s.sample}
+    return StepResult(
+        out.step_id,
+        {r: t for r, t in result.sampled_token_ids.items() if r in ids},
+        {r: lp for r, lp in result.logprobs.items() if r in ids},
+        result.elapsed_s,
+    )
 
 
 @dataclass
@@ -192,25 +204,43 @@ class PrefillWorker:
                 return True
         return self._decode_step()
 
-    def _decode_step(self) -> bool:
-        kept = self.kept
-        if not (kept.running or kept.suspended):
-            return False
-        out = kept.schedule()
+    def _kept_schedule(self) -> SchedulerOutput | None:
+        if not (self.kept.running or self.kept.suspended):
+            return None
+        out = self.kept.schedule()
         if out.swapped_out or out.swapped_in:
             raise RuntimeError("swap preemption is not wired into the runtime; use recompute")
-        upd = kept.update(out, self.ctx.runner.execute(out))
+        return out
+
+    def _kept_update(self, out: SchedulerOutput, result: StepResult) -> None:
+        upd = self.kept.update(out, _part(result, out))
         if out.is_empty:
             for req in upd.finished:
                 self.ctx.emit_finished(req)
-            return False
-        self.ctx.emit_update(kept.requests, upd.new_tokens, upd.finished)
-        return True
+        else:
+            self.ctx.emit_update(self.kept.requests, upd.new_tokens, upd.finished)
 
-    def _prefill_step(self, out) -> None:
-        result = self.ctx.runner.execute(out)
-        upd = self.scheduler.update(out, result)
+    def _decode_step(self) -> bool:
+        out = self._kept_schedule()
+        if out is None:
+            return False
+        self._kept_update(out, self.ctx.runner.execute(out))
+        return not out.is_empty
+
+    def _prefill_step(self, out: SchedulerOutput) -> None:
+        """One prefill chunk; kept decodes ride along in the same forward (a few rows on a chunk of
+        ``chunk_size``: they advance a token instead of stalling for the chunk)."""
+        dec = self._kept_schedule()
+        run = out
+        if dec is not None and not dec.is_empty:
+            run = replace(out, kind=StepKind.MIXED, segments=out.segments + dec.segments,
+                          preempted_request_ids=out.preempted_request_ids + dec.preempted_request_ids,
+                          finished_request_ids=out.finished_request_ids + dec.finished_request_ids)
+        result = self.ctx.runner.execute(run)
+        upd = self.scheduler.update(out, _part(result, out))
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
+        if dec is not None:
+            self._kept_update(dec, result)
         for req in upd.finished:
             stream = self.streams.get(req.request_id)
             if stream is not None:  # ended by its first token: the decode side must free its reservation
@@ -359,8 +389,6 @@ class PrefillWorker:
             if r.instance_id == decode_id:
                 need = min(r.num_free_blocks, r.blocks_for_tokens(req.num_tokens + max(1, req.predicted_lower or 1)))
                 heavy = (req.predicted_lower or 0) > self.ctx.spec.heavy_decode_tokens
-                from dataclasses import replace
-
                 self.decode_loads[i] = replace(
                     r,
                     num_free_blocks=r.num_free_blocks - need,
@@ -474,7 +502,5 @@ class PrefillWorker:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
         held = len(self.staged) + len(self.kept.running) + len(self.kept.suspended)  # prefilled, KV still here
         if held:
-            from dataclasses import replace
-
             rep = replace(rep, num_running=rep.num_running + held)
         return rep
