@@ -327,6 +327,33 @@ def test_rounds_rotate_the_column_order_and_pool_every_request(monkeypatch: pyte
         # busy seconds add up over the rounds: 3 x 4 requests x (ttft + itl x tokens) of the fake
         assert cell["resource_s"] > 3 * 4 * speeds[label][0]
     assert result["workloads"]["lpld"]["tetriinfer"]["jct_mean"] < result["workloads"]["lpld"]["colocated"]["jct_mean"]
+    # within-round changes: three rounds, each far below colocated (the fake's TTFT is 0.02 s vs 0.06 s)
+    ch = result["meta"]["round_changes"]["lpld"]
+    assert set(ch) == {"tetriinfer"} and len(ch["tetriinfer"]["ttft"]) == len(ch["tetriinfer"]["jct"]) == 3
+    assert all(-0.8 < v < -0.4 for v in ch["tetriinfer"]["ttft"]) and all(v < 0 for v in ch["tetriinfer"]["jct"])
+    assert "## Change vs colocated within each round" in sbs.markdown_report(result)
+
+
+def _rec(rid: str, ttft: float, jct: float) -> dict[str, Any]:
+    return RequestRecord(rid, 10, 2, arrival_s=0.0, send_s=0.0, first_token_s=ttft, chunk_times_s=[ttft, jct],
+                         chunk_tokens=[1, 1], finish_s=jct, output_tokens=2, success=True).to_dict()
+
+
+def test_round_changes_pair_rounds_by_suffix() -> None:
+    assert [sbs.round_of(i) for i in ("a", "a#r1", "x#r12", "#r3", "a#rx")] == [0, 1, 12, 0, 0]
+    cell = {
+        "colocated": {"requests": [_rec("a", 1.0, 2.0), _rec("b", 3.0, 6.0), _rec("a#r1", 2.0, 4.0)]},
+        "tetriinfer": {"requests": [_rec("a", 1.0, 1.0), _rec("b", 1.0, 3.0), _rec("a#r1", 3.0, 2.0)]},
+        "partial": {"requests": [_rec("a", 1.0, 1.0)]},  # a round missing: left out
+    }
+    ch = sbs.round_changes(cell)
+    assert set(ch) == {"tetriinfer"}
+    # round 0: TTFT 1.0 vs 2.0 -> -50%, JCT 2.0 vs 4.0 -> -50%; round 1: TTFT 3.0 vs 2.0 -> +50%, JCT 2 vs 4 -> -50%
+    assert ch["tetriinfer"]["ttft"] == pytest.approx([-0.5, 0.5])
+    assert ch["tetriinfer"]["jct"] == pytest.approx([-0.5, -0.5])
+    table = sbs.round_changes_table({"meta": {"round_changes": {"mixed": ch}}})
+    assert "| mixed | tetriinfer | -50% +50% | +0.0% +- 70.7 | -50% -50% | -50.0% +- 0.0 |" in table
+    assert sbs.round_changes({"tetriinfer": cell["tetriinfer"]}) == {}
 
 
 def test_load_sweep_probes_once_and_runs_every_fraction(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -336,6 +336,64 @@ def relative_rows(workloads: dict[str, dict[str, dict[str, Any]]]) -> list[dict[
 # ------------------------------------------------------------------------------------------ markdown
 
 
+def round_of(request_id: str) -> int:
+    """The round a pooled record came from (``_pool`` suffixes later rounds' ids with ``#rN``)."""
+    head, sep, tail = request_id.rpartition("#r")
+    return int(tail) if sep and head and tail.isdigit() else 0
+
+
+def round_changes(cell_raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Per column of one cell: the change of mean TTFT and mean JCT vs the baseline *within each round*
+    (rounds run the same requests; pairing by round takes the machine's drift between rounds out of the
+    comparison). ``{column: {"ttft": [pct per round], "jct": [...]}}``; the baseline and columns without
+    every round are left out."""
+    def per_round(res: dict[str, Any]) -> dict[int, tuple[float, float]]:
+        groups: dict[int, list[RequestRecord]] = {}
+        for r in res.get("requests", []):
+            rec = RequestRecord.from_dict(r)
+            if rec.success and rec.ttft_s is not None and rec.jct_s is not None:
+                groups.setdefault(round_of(rec.request_id), []).append(rec)
+        return {k: (sum(r.ttft_s for r in v) / len(v), sum(r.jct_s for r in v) / len(v))  # type: ignore[misc]
+                for k, v in groups.items()}
+
+    if BASELINE not in cell_raw:
+        return {}
+    base = per_round(cell_raw[BASELINE])
+    out: dict[str, dict[str, list[float]]] = {}
+    for label, res in cell_raw.items():
+        if label == BASELINE:
+            continue
+        mine = per_round(res)
+        if not base or set(mine) != set(base):
+            continue
+        rounds = sorted(base)
+        out[label] = {"ttft": [mine[k][0] / base[k][0] - 1 for k in rounds],
+                      "jct": [mine[k][1] / base[k][1] - 1 for k in rounds]}
+    return out
+
+
+def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def round_changes_table(result: dict[str, Any]) -> str:
+    changes = result.get("meta", {}).get("round_changes", {})
+    rows = [(cell, label, ch) for cell, cols in changes.items() for label, ch in cols.items() if len(ch["ttft"]) > 1]
+    if not rows:
+        return ""
+    out = ["| workload | column | TTFT change per round | TTFT mean +- sd | JCT change per round | JCT mean +- sd |",
+           "|---|---|---|---:|---|---:|"]
+    for cell, label, ch in rows:
+        cols = []
+        for key in ("ttft", "jct"):
+            m, sd = _mean_sd(ch[key])
+            cols += [" ".join(f"{v * 100:+.0f}%" for v in ch[key]), f"{m * 100:+.1f}% +- {sd * 100:.1f}"]
+        out.append(f"| {cell} | {label} | " + " | ".join(cols) + " |")
+    return "\n".join(out)
+
+
 def ttft_floor_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Per cell with a measured floor: the floor, the baseline's mean TTFT, the best possible TTFT change vs the
     baseline for one-core-per-prompt prefill (``floor / baseline - 1``), and every column's mean TTFT / floor."""
@@ -477,6 +535,15 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
         "TTFT and JCT are means; resource = total busy seconds of all instances during the workload; "
         "perf/$ = (1 + JCT reduction) / (resource ratio), the form the paper's numbers fit (1.0 = colocated).",
     ]
+    rounds_table = round_changes_table(result)
+    if rounds_table:
+        lines += [
+            "", "## Change vs colocated within each round", "",
+            "Every round runs the same requests (column order rotated); the change of each column's mean TTFT and "
+            "JCT against colocated in the same round, then their mean and standard deviation over rounds: the spread "
+            "says how much of a difference this machine can resolve.", "",
+            rounds_table,
+        ]
     floor_table = ttft_floor_table(result)
     if floor_table:
         lines += [
@@ -857,6 +924,7 @@ class SideBySide:
             "workloads": self.workload_meta,
             "details": self.details,
             "ttft_floor": dict(self.floors),
+            "round_changes": {cell: round_changes(cols) for cell, cols in self.raw.items()} if c.rounds > 1 else {},
         }
         return {"workloads": finalize(cells), "meta": meta}, self.raw
 
