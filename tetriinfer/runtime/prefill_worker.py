@@ -464,7 +464,8 @@ class PrefillWorker:
             self.no_stream.add(rid)
             if rid in self.scheduler.handed_over:
                 self._stage(stream.request)
-                self.staged[rid].dispatch_attempts = stream.dispatch_attempts
+                if rid in self.staged:  # else kept here to decode (--keep-decode)
+                    self.staged[rid].dispatch_attempts = stream.dispatch_attempts
             return
         staged = self.staged.get(msg.request_id)
         if staged is None:
