@@ -10,11 +10,18 @@ import pytest
 
 from tests.serve_helpers import ServeProcess, pid_alive
 
+VARIANTS = {
+    "request": ["--kv-transfer", "request"],
+    "chunk": ["--kv-transfer", "chunk"],
+    # the prefill instance also keeps some requests to decode itself: kept and transferred requests mix
+    "chunk-keep": ["--kv-transfer", "chunk", "--keep-decode", "--keep-decode-ratio", "4"],
+}
 
-@pytest.fixture(scope="module", params=["request", "chunk"])
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def faulty_server(request, tiny_llama):
     srv = ServeProcess(
-        tiny_llama, "--mode", "tetriinfer", "--chunk-size", "32", "--kv-transfer", request.param,
+        tiny_llama, "--mode", "tetriinfer", "--chunk-size", "32", *VARIANTS[request.param],
         "--kv-backend", "faulty:tcp",
         "--fault-drop-p", "0.3", "--fault-delay-p", "0.2", "--fault-corrupt-p", "0.2", "--transfer-timeout", "1.0",
     )
