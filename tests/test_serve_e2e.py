@@ -137,16 +137,22 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
     for inst in info["instances"]:
         assert inst["kv_blocks_used"] == 0, inst
     assert info["requests_in_flight"] == 0
+    by_role = info["ttft_by_prefill_role"]  # every request so far on this server, by where it was prefilled
+    assert all(v["count"] > 0 and v["mean_s"] > 0 for v in by_role.values())
     if server.mode == "tetriinfer-local":  # a burst backs up the prefill instance: some prefill at the decode one
         assert 0 < info["local_prefills"] < 64
         assert info["transfers"]["count"] + info["local_prefills"] >= 64
+        assert set(by_role) == {"prefill", "decode"} and by_role["decode"]["count"] == info["local_prefills"]
     elif server.mode == "tetriinfer-keep":  # the burst's tail, with the decode instance busy, decodes at prefill-0
         assert 0 < info["kept_decodes"] < 64
         assert info["transfers"]["count"] + info["kept_decodes"] >= 64
     elif server.mode in DISAGGREGATED:
+        assert set(by_role) == {"prefill"} and by_role["prefill"]["count"] >= 64
         assert info["transfers"]["count"] >= 64
         metrics = httpx.get(f"{server.base_url}/metrics").text
         assert "tetriinfer_kv_transfer_seconds_count" in metrics
+    else:
+        assert set(by_role) == {"colocated"} and by_role["colocated"]["count"] >= 64
 
 
 def test_cluster_endpoint_shape(server):

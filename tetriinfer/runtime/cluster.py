@@ -103,6 +103,7 @@ class ClusterEngineClient:
         self.flip_log: list[dict[str, Any]] = []
         self.transfer_log = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.num_kept_decodes = 0  # requests a prefill instance decoded itself (--keep-decode)
+        self.ttft_by_prefill_role: dict[str, list] = {}  # role -> [requests, summed TTFT seconds]
         self.predictor_log = {"count": 0, "seconds": 0.0}
         self.metrics: Any = None  # a server.metrics.ServerMetrics, set by the server
         self._ctx: zmq.asyncio.Context | None = None
@@ -280,7 +281,17 @@ class ClusterEngineClient:
                 await self.abort(request_id)
             self.streams.pop(request_id, None)
             with contextlib.suppress(KeyError, ValueError):
-                self.policy.forget(request_id)
+                self._count_ttft(self.policy.forget(request_id))
+
+    def _count_ttft(self, rec: Any) -> None:
+        """Front-end TTFT of a request that got a first token, by the role of the instance that prefilled it
+        (``prefill``; ``decode`` = conditional disaggregation; ``colocated``): where the TTFT goes."""
+        info = self.instances.get(rec.prefill_instance) if rec.prefill_instance else None
+        if rec.ttft is None or info is None:
+            return
+        acc = self.ttft_by_prefill_role.setdefault(info.role, [0, 0.0])
+        acc[0] += 1
+        acc[1] += rec.ttft
 
     async def _route(self, request_id: str) -> str:
         while True:
@@ -465,6 +476,8 @@ class ClusterEngineClient:
             "predictor": dict(self.predictor_log),
             "local_prefills": self.policy.num_local_prefills,
             "kept_decodes": self.num_kept_decodes,
+            "ttft_by_prefill_role": {role: {"count": n, "mean_s": total / n}
+                                     for role, (n, total) in self.ttft_by_prefill_role.items()},
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
         }
 
