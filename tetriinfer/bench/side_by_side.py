@@ -39,6 +39,7 @@ import platform
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -373,9 +374,7 @@ def round_changes(cell_raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, li
 
 
 def _mean_sd(xs: Sequence[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return m, sd
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def round_changes_table(result: dict[str, Any]) -> str:

@@ -129,11 +129,7 @@ class PrefillScheduler:
     def release(self, request_id: str) -> int:
         """Free a handed-over request's blocks (after its KV transfer) and forget it; returns how many
         blocks were freed. Unknown or not-yet-prefilled ids raise KeyError."""
-        req = self.handed_over.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not handed over at this prefill instance")
-        self._awaiting_prediction.discard(request_id)
-        self._table.remove(request_id)  # leaves unfinished: not reported in finished_request_ids
+        self.keep(request_id)
         return self.kv.free_request(request_id)
 
     def keep(self, request_id: str) -> Request:
@@ -144,7 +140,7 @@ class PrefillScheduler:
         if req is None:
             raise KeyError(f"request {request_id!r} is not handed over at this prefill instance")
         self._awaiting_prediction.discard(request_id)
-        self._table.remove(request_id)
+        self._table.remove(request_id)  # leaves unfinished: not reported in finished_request_ids
         return req
 
     def abort(self, request_id: str) -> Request | None:

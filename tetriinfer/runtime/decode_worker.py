@@ -23,7 +23,7 @@ from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerCon
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import Request
 from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, NewRequest, PrefillDone, TransferStat
-from tetriinfer.runtime.worker_base import InstanceContext
+from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, schedule_decode
 
 
 @dataclass
@@ -194,18 +194,9 @@ class DecodeWorker:
             self._admit_local()
         if not self.has_work():
             return False
-        out = self.scheduler.schedule()
-        if out.swapped_out or out.swapped_in:
-            raise RuntimeError("swap preemption is not wired into the runtime; use recompute")
-        if out.is_empty:
-            upd = self.scheduler.update(out, self.ctx.runner.execute(out))
-            for req in upd.finished:
-                self.ctx.emit_finished(req)
-            return False
-        result = self.ctx.runner.execute(out)
-        upd = self.scheduler.update(out, result)
-        self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
-        return True
+        out = schedule_decode(self.scheduler)
+        apply_decode_step(self.ctx, self.scheduler, out, self.ctx.runner.execute(out))
+        return not out.is_empty
 
     def abort(self, rid: str) -> None:
         for h in list(self.pending):

@@ -41,7 +41,7 @@ from tetriinfer.runtime.messages import (
     WireParams,
     decode_load,
 )
-from tetriinfer.runtime.worker_base import InstanceContext, load_from_wire
+from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, load_from_wire, schedule_decode
 
 
 def _part(result: StepResult, out: SchedulerOutput) -> StepResult:
@@ -128,7 +128,6 @@ class PrefillWorker:
             ),
             ctx.kv_manager,
         )
-        self.num_kept = 0
 
     # ---- messages ------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -205,26 +204,13 @@ class PrefillWorker:
         return self._decode_step()
 
     def _kept_schedule(self) -> SchedulerOutput | None:
-        if not (self.kept.running or self.kept.suspended):
-            return None
-        out = self.kept.schedule()
-        if out.swapped_out or out.swapped_in:
-            raise RuntimeError("swap preemption is not wired into the runtime; use recompute")
-        return out
-
-    def _kept_update(self, out: SchedulerOutput, result: StepResult) -> None:
-        upd = self.kept.update(out, _part(result, out))
-        if out.is_empty:
-            for req in upd.finished:
-                self.ctx.emit_finished(req)
-        else:
-            self.ctx.emit_update(self.kept.requests, upd.new_tokens, upd.finished)
+        return schedule_decode(self.kept) if self.kept.running or self.kept.suspended else None
 
     def _decode_step(self) -> bool:
         out = self._kept_schedule()
         if out is None:
             return False
-        self._kept_update(out, self.ctx.runner.execute(out))
+        apply_decode_step(self.ctx, self.kept, out, self.ctx.runner.execute(out))
         return not out.is_empty
 
     def _prefill_step(self, out: SchedulerOutput) -> None:
@@ -240,7 +226,7 @@ class PrefillWorker:
         upd = self.scheduler.update(out, _part(result, out))
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         if dec is not None:
-            self._kept_update(dec, result)
+            apply_decode_step(self.ctx, self.kept, dec, _part(result, dec))
         for req in upd.finished:
             stream = self.streams.get(req.request_id)
             if stream is not None:  # ended by its first token: the decode side must free its reservation
@@ -334,7 +320,6 @@ class PrefillWorker:
         ):
             return False
         self.kept.adopt(self.scheduler.keep(req.request_id))
-        self.num_kept += 1
         self.ctx.send_front(Dispatched(req.request_id, self.ctx.instance_id))
         return True
 

@@ -11,9 +11,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tetriinfer.core.decode_scheduler import DecodeScheduler
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import FINISH_REASON, Request
+from tetriinfer.core.step import SchedulerOutput, StepResult
 from tetriinfer.engine.model_runner import ModelRunner
 from tetriinfer.runtime.instance_spec import InstanceSpec
 from tetriinfer.runtime.messages import Message, TokenItem, WireLoad
@@ -63,6 +65,26 @@ class InstanceContext:
 
     def emit_error(self, request_id: str, index: int, message: str) -> None:
         self.outbox.append(TokenItem(request_id, index, [], True, "error", None, message))
+
+
+def schedule_decode(scheduler: DecodeScheduler) -> SchedulerOutput:
+    """The decode scheduler's next step (the runtime runs recompute preemption only, never swap)."""
+    out = scheduler.schedule()
+    if out.swapped_out or out.swapped_in:
+        raise RuntimeError("swap preemption is not wired into the runtime; use recompute")
+    return out
+
+
+def apply_decode_step(ctx: InstanceContext, scheduler: DecodeScheduler, out: SchedulerOutput,
+                      result: StepResult) -> None:
+    """Update ``scheduler`` with its executed step and stream what it produced (an empty step only reports the
+    requests its ``schedule`` ended)."""
+    upd = scheduler.update(out, result)
+    if out.is_empty:
+        for req in upd.finished:
+            ctx.emit_finished(req)
+    else:
+        ctx.emit_update(scheduler.requests, upd.new_tokens, upd.finished)
 
 
 def wire_load(report: LoadReport, busy_s: float, steps: int) -> WireLoad:
