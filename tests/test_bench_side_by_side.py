@@ -191,7 +191,8 @@ class FakeCluster:
 
     def __init__(self, ttft: float, itl: float) -> None:
         self.ttft, self.itl, self.busy, self.in_flight = ttft, itl, 0.0, 0
-        self.log: list[tuple[int, int]] = []  # (max_tokens, requests in flight including this one) per request
+        # per request: (max_tokens, requests in flight including this one, its OpenAI ``user`` field)
+        self.log: list[tuple[int, int, str | None]] = []
         app = FastAPI()
 
         @app.get("/health")
@@ -210,11 +211,11 @@ class FakeCluster:
         @app.post("/v1/completions")
         async def completions(request: Request) -> StreamingResponse:
             body = await request.json()
-            n = int(body["max_tokens"])
+            n, user = int(body["max_tokens"]), body.get("user")
 
             async def stream() -> Any:
                 self.in_flight += 1
-                self.log.append((n, self.in_flight))
+                self.log.append((n, self.in_flight, user))
                 await asyncio.sleep(self.ttft)
                 for i in range(n):
                     if i:
@@ -396,8 +397,8 @@ def test_load_sweep_probes_once_and_runs_every_fraction(monkeypatch: pytest.Monk
     assert (tmp_path / "plots" / "load_sweep.png") in plots
 
 
-def test_ttft_floor_is_measured_once_per_workload_on_the_baseline(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_floor_is_measured_once_per_workload_on_the_baseline(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
     SERVERS.clear()
     speeds = {"colocated": (0.05, 0.004), "tetriinfer": (0.02, 0.002)}
     fake_servers(monkeypatch, speeds)
@@ -407,34 +408,52 @@ def test_ttft_floor_is_measured_once_per_workload_on_the_baseline(monkeypatch: p
         max_prompt_tokens=300, max_output_tokens=12, progress=False, rate_fractions=(0.5, 1.5), rounds=2,
     )
     result, raw = sbs.SideBySide(cfg, "test").run()
-    floors = result["meta"]["ttft_floor"]
+    floors = result["meta"]["floor"]
     assert set(floors) == {"lpld", "mixed"}
-    for f in floors.values():  # the fake's TTFT is 0.05 s when alone: the floor sees exactly that
+    outputs = {name: [r["output_tokens"] for r in raw[f"{name}@50%"]["colocated"]["requests"]
+                      if sbs.round_of(r["request_id"]) == 0] for name in floors}
+    for name, f in floors.items():
+        # alone, the fake answers after 0.05 s and then every 0.004 s: the floor sees exactly that
         assert f["requests"] == 5 and 0.05 <= f["mean_s"] < 0.2 and 0.05 <= f["median_s"] < 0.2
-    # floor requests ran only on colocated (once per workload over both fractions and rounds), one at a time
+        assert 0.004 <= f["tpot_mean_s"] < 0.03
+        want_jct = 0.05 + 0.004 * (sum(outputs[name]) / 5 - 1)  # ttft + itl * (tokens - 1), mean over requests
+        assert want_jct <= f["jct_mean_s"] < want_jct + 0.15
+    # floor requests (tagged user="floor") ran only on colocated, once per workload over both fractions and
+    # rounds, one at a time, each with the workload's own output length
     for mode, srv in SERVERS:
-        floor_reqs = [(n, inflight) for n, inflight in srv.log if n == 1]
         if mode == "tetriinfer":
-            assert floor_reqs == []
+            assert all(user != "floor" for _, _, user in srv.log)
     coloc = [srv for mode, srv in SERVERS if mode == "colocated"]
-    first_round = [(n, inflight) for n, inflight in coloc[0].log if n == 1]
+    first_round = [(n, inflight) for n, inflight, user in coloc[0].log if user == "floor"]
     assert len(first_round) == 2 * 5 and all(inflight == 1 for _, inflight in first_round)
-    assert all(n != 1 for n, _ in coloc[1].log)  # the second round re-uses the floors
-    rows = {r["workload"]: r for r in sbs.ttft_floor_rows(result)}
+    assert sorted(n for n, _ in first_round) == sorted(outputs["lpld"] + outputs["mixed"])
+    assert all(user != "floor" for _, _, user in coloc[1].log)  # the second round re-uses the floors
+    assert all(user is None for _, _, user in coloc[0].log if user != "floor")  # only the floor is tagged
+    rows = {r["workload"]: r for r in sbs.floor_rows(result)}
     assert set(rows) == set(result["workloads"]) == {"lpld@50%", "lpld@150%", "mixed@50%", "mixed@150%"}
     for key, r in rows.items():
-        base = result["workloads"][key]["colocated"]["ttft_mean"]
-        assert r["floor_s"] == floors[key.split("@")[0]]["mean_s"]
-        assert r["best_change"] == pytest.approx(r["floor_s"] / base - 1)
-        assert r["over_floor"]["colocated"] == pytest.approx(base / r["floor_s"])
+        base = result["workloads"][key]["colocated"]
+        f = floors[key.split("@")[0]]
+        assert r["floor_s"] == f["mean_s"] and r["jct_floor_s"] == f["jct_mean_s"]
+        assert r["best_change"] == pytest.approx(r["floor_s"] / base["ttft_mean"] - 1)
+        assert r["best_jct_change"] == pytest.approx(r["jct_floor_s"] / base["jct_mean"] - 1)
+        assert r["over_floor"]["colocated"] == pytest.approx(base["ttft_mean"] / r["floor_s"])
+        assert r["jct_over_floor"]["colocated"] == pytest.approx(base["jct_mean"] / r["jct_floor_s"])
         assert r["over_floor"]["tetriinfer"] == pytest.approx(
             result["workloads"][key]["tetriinfer"]["ttft_mean"] / r["floor_s"])
     md = sbs.markdown_report(result)
-    assert "## TTFT floor" in md and "| lpld@150% | " in md and "tetriinfer / floor" in md
+    assert "## Floor" in md and "| lpld@150% | " in md and "tetriinfer TTFT / JCT over floor" in md
+    # a result written before JCT floors existed (meta.ttft_floor, TTFT only) still reports its TTFT floor
+    old = {**result, "meta": {**result["meta"], "ttft_floor": {k: {"mean_s": v["mean_s"]} for k, v in floors.items()}}}
+    del old["meta"]["floor"]
+    old_rows = sbs.floor_rows(old)
+    assert [r["floor_s"] for r in old_rows] == [rows[r["workload"]]["floor_s"] for r in old_rows]
+    assert all(r["best_jct_change"] is None and r["jct_over_floor"] == {} for r in old_rows)
+    assert "| - |" in sbs.floor_table(old)
     # off: nothing measured, no section
-    cfg_off = replace(cfg, ttft_floor=False, rate_fractions=(0.5,), rounds=1, workloads=("lpld",))
+    cfg_off = replace(cfg, floor=False, rate_fractions=(0.5,), rounds=1, workloads=("lpld",))
     result_off, _ = sbs.SideBySide(cfg_off, "test").run()
-    assert result_off["meta"]["ttft_floor"] == {} and "## TTFT floor" not in sbs.markdown_report(result_off)
+    assert result_off["meta"]["floor"] == {} and "## Floor" not in sbs.markdown_report(result_off)
 
 
 # --------------------------------------------------------------------------------- a tiny real run
@@ -465,6 +484,7 @@ def test_tiny_real_side_by_side(tiny_llama: Path, tmp_path: Path) -> None:
     busy = result["meta"]["details"]["lpld"]["tetriinfer"]["busy_per_instance_s"]
     assert set(busy) == {"prefill-0", "decode-0"} and all(v > 0 for v in busy.values())
     assert result["meta"]["rates"]["lpld"]["probed_rps"] > 0
-    floor = result["meta"]["ttft_floor"]["lpld"]
+    floor = result["meta"]["floor"]["lpld"]
     assert floor["requests"] == 4 and 0 < floor["mean_s"] <= cells["colocated"]["ttft_mean"] * 3
-    assert "| lpld | tetriinfer |" in md.read_text() and "## TTFT floor" in md.read_text()
+    assert floor["mean_s"] < floor["jct_mean_s"] <= cells["colocated"]["jct_mean"] * 3
+    assert "| lpld | tetriinfer |" in md.read_text() and "## Floor" in md.read_text()

@@ -296,7 +296,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         progress=not args.no_progress,
         rounds=args.rounds,
-        ttft_floor=not args.no_ttft_floor,
+        floor=not args.no_floor,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -352,9 +352,9 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--rounds", type=int, default=1,
                    help="run every column this many times (the same requests each round; column order rotated so "
                         "no mode always runs last on a drifting machine); cells pool every round's requests")
-    p.add_argument("--no-ttft-floor", action="store_true",
-                   help="skip the TTFT floor (each workload's requests once more on colocated, one at a time, "
-                        "1 output token: how much of TTFT is waiting)")
+    p.add_argument("--no-floor", "--no-ttft-floor", dest="no_floor", action="store_true",
+                   help="skip the floor (each workload's requests once more on colocated, one at a time: the TTFT "
+                        "and JCT each gets alone, i.e. how much of a column's TTFT and JCT is waiting)")
     p.add_argument("--instances", type=int, default=2, help="instances (= cores) per mode")
     p.add_argument("--prefill-instances", type=int, default=None,
                    help="prefill instances in disaggregated modes (default: half)")

@@ -63,6 +63,7 @@ class ClientConfig:
     api_key: str | None = None
     seed: int = 0
     progress: bool = True
+    user: str | None = None  # OpenAI's ``user`` field on every request (tags a run in the server's logs)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -167,6 +168,8 @@ class BenchmarkClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if cfg.user is not None:
+            body["user"] = cfg.user
         if cfg.vllm_extras:
             body["ignore_eos"] = True
             body["min_tokens"] = req.output_tokens

@@ -131,7 +131,7 @@ class SideBySideConfig:
     kv_cache_memory_gb: float = 0.25
     progress: bool = True
     rounds: int = 1  # every column runs every workload this many times, column order rotated; records pooled
-    ttft_floor: bool = True  # measure each workload's isolated-prefill TTFT on the baseline (see measure_floor)
+    floor: bool = True  # measure each workload's requests alone on the baseline (TTFT/JCT floors, measure_floor)
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -393,38 +393,51 @@ def round_changes_table(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def ttft_floor_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per cell with a measured floor: the floor, the baseline's mean TTFT, the best possible TTFT change vs the
-    baseline for one-core-per-prompt prefill (``floor / baseline - 1``), and every column's mean TTFT / floor."""
+def floor_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cell with a measured floor (each request alone, ``SideBySide.measure_floor``): the TTFT and JCT floors,
+    the baseline's means, the best possible change vs the baseline for a design that serves each request on one
+    core (``floor / baseline - 1``), and every column's mean / floor. Older results carry only a TTFT floor (under
+    ``meta.ttft_floor``); their JCT entries are None."""
     meta = result.get("meta", {})
-    floors, wmeta = meta.get("ttft_floor", {}), meta.get("workloads", {})
+    floors, wmeta = meta.get("floor") or meta.get("ttft_floor", {}), meta.get("workloads", {})
     rows = []
     for key, cols in result["workloads"].items():
-        floor = floors.get(wmeta.get(key, {}).get("key", key), {}).get("mean_s")
-        if not floor:
+        fl = floors.get(wmeta.get(key, {}).get("key", key), {})
+        ttft, jct = fl.get("mean_s"), fl.get("jct_mean_s")
+        if not ttft:
             continue
-        base = cols.get(BASELINE, {}).get("ttft_mean")
+        base = cols.get(BASELINE, {})
+        b_ttft, b_jct = base.get("ttft_mean"), base.get("jct_mean")
         rows.append({
-            "workload": key, "floor_s": floor, "baseline_ttft_s": base,
-            "best_change": floor / base - 1 if base else None,
-            "over_floor": {label: c["ttft_mean"] / floor for label, c in cols.items() if c.get("ttft_mean")},
+            "workload": key, "floor_s": ttft, "baseline_ttft_s": b_ttft,
+            "best_change": ttft / b_ttft - 1 if b_ttft else None,
+            "over_floor": {label: c["ttft_mean"] / ttft for label, c in cols.items() if c.get("ttft_mean")},
+            "jct_floor_s": jct, "baseline_jct_s": b_jct,
+            "best_jct_change": jct / b_jct - 1 if jct and b_jct else None,
+            "jct_over_floor": {label: c["jct_mean"] / jct for label, c in cols.items() if jct and c.get("jct_mean")},
         })
     return rows
 
 
-def ttft_floor_table(result: dict[str, Any]) -> str:
-    rows = ttft_floor_rows(result)
+def floor_table(result: dict[str, Any]) -> str:
+    rows = floor_rows(result)
     if not rows:
         return ""
     labels = list(rows[0]["over_floor"])
-    head = "| workload | floor TTFT (s) | colocated TTFT (s) | best possible TTFT change | " + " | ".join(
-        f"{lab} / floor" for lab in labels) + " |"
-    out = [head, "|---|---:|---:|---:|" + "---:|" * len(labels)]
+    head = ("| workload | floor TTFT (s) | colocated TTFT (s) | best possible TTFT change | floor JCT (s) | "
+            "colocated JCT (s) | best possible JCT change | "
+            + " | ".join(f"{lab} TTFT / JCT over floor" for lab in labels) + " |")
+    out = [head, "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(labels)]
     for r in rows:
+        over = [f"{_num(r['over_floor'].get(lab))}x / {_num(r['jct_over_floor'].get(lab))}x" for lab in labels]
         out.append(f"| {r['workload']} | {_num(r['floor_s'], 3)} | {_num(r['baseline_ttft_s'], 3)} | "
-                   f"{_pct(r['best_change'])} | " + " | ".join(_num(r["over_floor"].get(lab)) + "x"
-                                                            for lab in labels) + " |")
+                   f"{_pct(r['best_change'])} | {_num(r['jct_floor_s'], 3)} | {_num(r['baseline_jct_s'], 3)} | "
+                   f"{_pct(r['best_jct_change'])} | " + " | ".join(over) + " |")
     return "\n".join(out)
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
 
 
 def _pct(v: float | None) -> str:
@@ -543,15 +556,16 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
             "says how much of a difference this machine can resolve.", "",
             rounds_table,
         ]
-    floor_table = ttft_floor_table(result)
-    if floor_table:
+    table = floor_table(result)
+    if table:
         lines += [
-            "", "## TTFT floor: how much of TTFT is waiting", "",
-            "Each workload's requests sent again to the colocated baseline one at a time with 1 output token: the "
-            "TTFT each prompt gets with nothing queued or running (the floor). A column's mean TTFT over the floor is "
-            "waiting and interference; `floor / colocated TTFT - 1` is the largest TTFT change any design can show "
-            "against colocated here while it prefills each prompt on one core at this engine's speed.", "",
-            floor_table,
+            "", "## Floor: how much of TTFT and JCT is waiting and interference", "",
+            "Each workload's requests sent again to the colocated baseline one at a time (same prompt and output "
+            "lengths): the TTFT and JCT each request gets with nothing else queued or running (the floor: prefill "
+            "alone, then decode at batch 1). A column's mean over the floor is waiting and interference; "
+            "`floor / colocated - 1` is the largest change any design can show against colocated here while it "
+            "serves each request on one core at this engine's speed.", "",
+            table,
         ]
     for wl in result["workloads"]:
         wl_meta = meta.get("workloads", {}).get(wl, {})
@@ -560,12 +574,19 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
             lines.append(f"{wl_meta.get('summary_line', '')}")
             lines.append("")
         lines.append(workload_table(result, wl))
-    if plots:
-        lines += ["", "## Plots", ""]
-        for p in plots:
-            rel = p.relative_to(relative_to) if relative_to and p.is_relative_to(relative_to) else p
-            lines.append(f"![{p.parent.name}/{p.stem}]({rel.as_posix()})")
+    lines += plot_section(plots, relative_to)
     return "\n".join(lines) + "\n"
+
+
+def plot_section(plots: Sequence[Path], relative_to: Path | None = None) -> list[str]:
+    """Markdown lines embedding ``plots`` (paths relative to the report's folder when inside it)."""
+    if not plots:
+        return []
+    lines = ["", "## Plots", ""]
+    for p in plots:
+        rel = p.relative_to(relative_to) if relative_to and p.is_relative_to(relative_to) else p
+        lines.append(f"![{p.parent.name}/{p.stem}]({rel.as_posix()})")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------- servers
@@ -742,23 +763,28 @@ class SideBySide:
         sent = len(wl) - wl.num_rejected
         return closed_loop_rate(finishes, sent, min(c.probe_concurrency, sent - 1))
 
-    # -- TTFT floor
+    # -- floor: each request alone
     def measure_floor(self, url: str, model: str, column: Column, name: str) -> dict[str, Any]:
-        """The workload's own requests (same prompt lengths as its cells) sent to the baseline one at a time
-        with ``max_tokens=1``: the TTFT each prompt gets with nothing else queued or running. A cell's mean TTFT
-        over this floor is waiting and interference; ``floor / baseline TTFT - 1`` is the largest TTFT change any
-        design can show here while prefilling each prompt on one core at this engine's speed."""
+        """The workload's own requests (same prompt and output lengths as its cells) sent to the baseline one at
+        a time (``user="floor"``): the TTFT, TPOT and JCT each request gets with nothing else queued or running.
+        A cell's mean over its floor is waiting and interference; ``floor / baseline - 1`` is the largest change
+        any design can show here while it serves each request on one core at this engine's speed (prefill alone,
+        then decode at batch 1)."""
         c = self.config
         rate = c.rate if c.rate is not None else (self.probed[name] or 1.0) * c.rate_fractions[0]
         wl = self._workload(name, c.num_requests, rate, c.seed)
         single = replace(wl, name=f"{wl.name}-floor",
-                         requests=tuple(replace(r, arrival_s=0.0, output_tokens=1) for r in wl.requests))
-        res = self._bench(url, model, column, single, max_concurrency=1)
-        ttfts = [t for r in res["requests"] if (t := RequestRecord.from_dict(r).ttft_s) is not None]
-        floor = {"mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
-                 "median_s": sorted(ttfts)[len(ttfts) // 2] if ttfts else None, "requests": len(ttfts)}
-        print(f"{name}: TTFT floor (one request at a time, 1 output token, on {column.label}) "
-              f"mean {_num(floor['mean_s'], 3)} s over {len(ttfts)} requests", flush=True)
+                         requests=tuple(replace(r, arrival_s=0.0) for r in wl.requests))
+        res = self._bench(url, model, column, single, max_concurrency=1, user="floor")
+        records = [RequestRecord.from_dict(r) for r in res["requests"]]
+        ttfts = [t for r in records if (t := r.ttft_s) is not None]
+        tpots = [t for r in records if (t := r.tpot_s) is not None]
+        e2es = [t for r in records if (t := r.e2e_s) is not None]  # alone, JCT = E2E (nothing queued)
+        floor = {"mean_s": _mean(ttfts), "median_s": sorted(ttfts)[len(ttfts) // 2] if ttfts else None,
+                 "requests": len(ttfts), "tpot_mean_s": _mean(tpots), "jct_mean_s": _mean(e2es)}
+        print(f"{name}: floor (one request at a time on {column.label}) over {len(ttfts)} requests: TTFT "
+              f"{_num(floor['mean_s'], 3)} s, TPOT {_num(floor['tpot_mean_s'], 4)} s, JCT "
+              f"{_num(floor['jct_mean_s'], 3)} s", flush=True)
         return floor
 
     # -- one column
@@ -772,7 +798,7 @@ class SideBySide:
         for name in c.workloads:
             if name not in self.probed:
                 self.probed[name] = self.probe(url, model, column, name) if c.rate is None else None
-            if ours and c.ttft_floor and column.label == BASELINE and name not in self.floors:
+            if ours and c.floor and column.label == BASELINE and name not in self.floors:
                 self.floors[name] = self.measure_floor(url, model, column, name)
             for fraction in c.rate_fractions:
                 self._run_cell(column, url, model, name, fraction, ours)
@@ -922,7 +948,7 @@ class SideBySide:
             },
             "workloads": self.workload_meta,
             "details": self.details,
-            "ttft_floor": dict(self.floors),
+            "floor": dict(self.floors),
             "round_changes": {cell: round_changes(cols) for cell, cols in self.raw.items()} if c.rounds > 1 else {},
         }
         return {"workloads": finalize(cells), "meta": meta}, self.raw

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from tetriinfer.core.chunking import build_chunk
 from tetriinfer.core.kv_cache_manager import KVCacheManager
-from tetriinfer.core.local_scheduler import StepUpdate, _segment
+from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
@@ -266,3 +267,26 @@ def make_colocated_scheduler(
     if kind == "sarathi":
         return SarathiScheduler(config, kv)
     raise ValueError(f"unknown colocated scheduler {kind!r}; choose 'vllm' or 'sarathi'")
+
+
+def colocated_load_report(
+    scheduler: _ColocatedBase | LocalScheduler, instance_id: str, now: float, utilization: float = 0.0,
+    state: InstanceState = InstanceState.ACTIVE,
+) -> LoadReport:
+    """What a colocated instance tells the monitor. It reports the PREFILL role: the global scheduler routes
+    new requests to it (least prompt tokens still to prefill first); ``tokens_in_flight`` = prompt tokens still
+    to prefill + one per running request."""
+    kv = scheduler.kv
+    return LoadReport(
+        instance_id=instance_id,
+        role=Role.PREFILL,
+        state=state,
+        time=now,
+        num_queued=len(scheduler.waiting),
+        num_running=len(scheduler.running),
+        num_free_blocks=kv.num_free_blocks,
+        num_used_blocks=kv.num_used_blocks,
+        block_size=kv.block_size,
+        tokens_in_flight=sum(r.num_uncomputed_tokens for r in scheduler.waiting) + len(scheduler.running),
+        utilization=utilization,
+    )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tetriinfer.core.load import (
     DEFAULT_HEAVY_DECODE_TOKENS,
@@ -149,3 +149,28 @@ class Dispatcher:
         return DispatchDecision(
             best.instance_id, "length-aware", heavy, alpha_ids, tuple(r.instance_id for r in choices)
         )
+
+
+def charge_dispatch(
+    loads: Sequence[LoadReport], decode_id: str, num_tokens: int, predicted_lower: int | None,
+    heavy_decode_tokens: int = DEFAULT_HEAVY_DECODE_TOKENS,
+) -> list[LoadReport]:
+    """The dispatcher's view after sending a request of ``num_tokens`` (context) to ``decode_id``: that
+    instance's report charged optimistically (blocks for the context plus the predicted lower bound, one more
+    queued request of its class) until its next real report, so a burst between two broadcasts is spread
+    instead of herding onto one instance. Returns new reports; the inputs are not mutated."""
+    out = list(loads)
+    for i, r in enumerate(out):
+        if r.instance_id == decode_id:
+            need = min(r.num_free_blocks, r.blocks_for_tokens(num_tokens + max(1, predicted_lower or 1)))
+            heavy = (predicted_lower or 0) > heavy_decode_tokens
+            out[i] = replace(
+                r,
+                num_free_blocks=r.num_free_blocks - need,
+                num_used_blocks=r.num_used_blocks + need,
+                num_queued=r.num_queued + 1,
+                num_heavy_decodes=r.num_heavy_decodes + int(heavy),
+                num_light_decodes=r.num_light_decodes + int(not heavy),
+            )
+            break
+    return out

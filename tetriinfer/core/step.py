@@ -85,3 +85,28 @@ class StepResult:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     elapsed_s: float = 0.0
+
+
+def merge_steps(first: SchedulerOutput, second: SchedulerOutput) -> SchedulerOutput:
+    """One forward for two schedulers' steps on the same instance (a prefill chunk with decodes riding along):
+    ``first``'s step id, kind MIXED, both steps' segments and bookkeeping. ``split_result`` gives each scheduler
+    its share of the result."""
+    return SchedulerOutput(
+        step_id=first.step_id, kind=StepKind.MIXED, segments=first.segments + second.segments,
+        num_padding_tokens=first.num_padding_tokens + second.num_padding_tokens,
+        preempted_request_ids=first.preempted_request_ids + second.preempted_request_ids,
+        finished_request_ids=first.finished_request_ids + second.finished_request_ids,
+        swapped_out=first.swapped_out + second.swapped_out, swapped_in=first.swapped_in + second.swapped_in,
+    )
+
+
+def split_result(result: StepResult, out: SchedulerOutput) -> StepResult:
+    """The share of a merged step's ``result`` that belongs to one scheduler's ``out``: its step id and the
+    samples of its own segments."""
+    ids = {s.request_id for s in out.segments if s.sample}
+    return StepResult(
+        out.step_id,
+        {r: t for r, t in result.sampled_token_ids.items() if r in ids},
+        {r: lp for r, lp in result.logprobs.items() if r in ids},
+        result.elapsed_s,
+    )

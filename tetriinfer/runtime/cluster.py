@@ -159,11 +159,7 @@ class ClusterEngineClient:
 
     def _spec(self, iid: str, role: str, index: int, frontend: str) -> InstanceSpec:
         c = self.config
-        prefill_policy, dispatch, decode_policy, predictor = (
-            c.prefill_policy, c.dispatch_policy, c.decode_policy, c.predictor,
-        )
-        if c.mode == "distserve":
-            prefill_policy, dispatch, decode_policy, predictor = "fcfs", "least-loaded", "greedy", "none"
+        pol = c.role_policies()
         return InstanceSpec(
             instance_id=iid, role=role, frontend_address=frontend, model=c.model, dtype=c.dtype,
             device=c.device, load_format=c.load_format, chunk_size=c.chunk_size, block_size=c.block_size,
@@ -171,15 +167,15 @@ class ClusterEngineClient:
             num_kv_blocks=c.num_kv_blocks, kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
             max_model_len=self.max_model_len, cpu_cores=c.cores_for(index),
             num_threads=c.cores_per_instance if c.device == "cpu" else None, seed=c.seed + index,
-            prefill_policy=prefill_policy, prefill_sched_batch=c.prefill_sched_batch, dispatch_policy=dispatch,
-            decode_policy=decode_policy, colocated_policy="sarathi" if c.mode == "sarathi" else "vllm",
-            max_num_batched_tokens=c.chunk_size if c.mode == "sarathi" else c.max_num_batched_tokens,
-            heavy_decode_tokens=c.heavy_decode_tokens, keep_decode=c.keep_decode and c.disaggregated,
+            prefill_policy=pol.prefill_policy, prefill_sched_batch=c.prefill_sched_batch,
+            dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
+            colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
+            heavy_decode_tokens=c.heavy_decode_tokens, keep_decode=pol.keep_decode,
             keep_decode_ratio=c.keep_decode_ratio, kv_backend=c.kv_backend, kv_rank=index,
             kv_world_size=len(c.roles()), kv_init_method=self._kv_init_method, kv_transfer=c.kv_transfer, link_bandwidth=c.link_bandwidth,
             transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
             fault_drop_p=c.fault_drop_p, fault_delay_p=c.fault_delay_p, fault_corrupt_p=c.fault_corrupt_p,
-            predictor=predictor, predictor_mode=c.predictor_mode, report_interval_s=c.report_interval_s,
+            predictor=pol.predictor, predictor_mode=c.predictor_mode, report_interval_s=c.report_interval_s,
         )
 
     async def _await_hellos(self) -> None:

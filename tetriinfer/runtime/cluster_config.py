@@ -19,6 +19,20 @@ def pads_last_chunk(chunk_padding: str, device: str) -> bool:
 
 
 @dataclass(frozen=True)
+class RolePolicies:
+    """The policies each instance of a cluster runs, resolved from its mode (one copy, read by the runtime's
+    instance specs and by the simulator's instances)."""
+
+    prefill_policy: str
+    dispatch_policy: str
+    decode_policy: str
+    predictor: str
+    colocated_policy: str  # vllm | sarathi (colocated modes)
+    max_num_batched_tokens: int  # colocated token budget per step (sarathi: the chunk size)
+    keep_decode: bool
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Validated in ``__post_init__``. Disaggregated modes use ``prefill_instances``/``decode_instances``;
     colocated modes use ``instances``. On CPU each instance is pinned to its own core(s)."""
@@ -101,6 +115,19 @@ class ClusterConfig:
         Full chunks are identical either way; only the last, partly filled chunk differs.
         """
         return pads_last_chunk(self.chunk_padding, self.device)
+
+    def role_policies(self) -> RolePolicies:
+        """``distserve`` is disaggregation without TetriInfer's scheduling: FCFS prefill, least-loaded dispatch,
+        greedy decode admission, no length prediction; ``sarathi`` budgets each hybrid step to one chunk."""
+        prefill, dispatch, decode, predictor = self.prefill_policy, self.dispatch_policy, self.decode_policy, self.predictor
+        if self.mode == "distserve":
+            prefill, dispatch, decode, predictor = "fcfs", "least-loaded", "greedy", "none"
+        return RolePolicies(
+            prefill_policy=prefill, dispatch_policy=dispatch, decode_policy=decode, predictor=predictor,
+            colocated_policy="sarathi" if self.mode == "sarathi" else "vllm",
+            max_num_batched_tokens=self.chunk_size if self.mode == "sarathi" else self.max_num_batched_tokens,
+            keep_decode=self.keep_decode and self.disaggregated,
+        )
 
     def roles(self) -> list[str]:
         if self.disaggregated:

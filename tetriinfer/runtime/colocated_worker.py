@@ -7,8 +7,12 @@ chunks alternating with decode steps on one instance (what the offline ``LLM`` r
 
 from __future__ import annotations
 
-from tetriinfer.core.colocated_scheduler import ColocatedSchedulerConfig, make_colocated_scheduler
-from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.colocated_scheduler import (
+    ColocatedSchedulerConfig,
+    colocated_load_report,
+    make_colocated_scheduler,
+)
+from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.local_scheduler import LocalScheduler, LocalSchedulerConfig
 from tetriinfer.runtime.messages import Abort, NewRequest
 from tetriinfer.runtime.worker_base import InstanceContext
@@ -67,18 +71,4 @@ class ColocatedWorker:
         return not out.is_empty
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
-        s = self.scheduler
-        kv = self.ctx.kv_manager
-        return LoadReport(
-            instance_id=self.ctx.instance_id,
-            role=Role.PREFILL,  # receives new requests from the global scheduler
-            state=state,
-            time=now,
-            num_queued=len(s.waiting),
-            num_running=len(s.running),
-            num_free_blocks=kv.num_free_blocks,
-            num_used_blocks=kv.num_used_blocks,
-            block_size=kv.block_size,
-            tokens_in_flight=sum(r.num_uncomputed_tokens for r in s.waiting) + sum(1 for _ in s.running),
-            utilization=utilization,
-        )
+        return colocated_load_report(self.scheduler, self.ctx.instance_id, now, utilization, state)

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
-from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
+from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig, charge_dispatch
 from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
-from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
+from tetriinfer.core.step import SchedulerOutput, merge_steps, split_result
 from tetriinfer.runtime.messages import (
     Abort,
     DecodeLoads,
@@ -42,17 +42,6 @@ from tetriinfer.runtime.messages import (
     decode_load,
 )
 from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, load_from_wire, schedule_decode
-
-
-def _part(result: StepResult, out: SchedulerOutput) -> StepResult:
-    """The share of a merged step's result that belongs to one scheduler's ``out`` (its step id, its samples)."""
-    ids = {s.request_id for s in out.segments if s.sample}
-    return StepResult(
-        out.step_id,
-        {r: t for r, t in result.sampled_token_ids.items() if r in ids},
-        {r: lp for r, lp in result.logprobs.items() if r in ids},
-        result.elapsed_s,
-    )
 
 
 @dataclass
@@ -217,16 +206,12 @@ class PrefillWorker:
         """One prefill chunk; kept decodes ride along in the same forward (a few rows on a chunk of
         ``chunk_size``: they advance a token instead of stalling for the chunk)."""
         dec = self._kept_schedule()
-        run = out
-        if dec is not None and not dec.is_empty:
-            run = replace(out, kind=StepKind.MIXED, segments=out.segments + dec.segments,
-                          preempted_request_ids=out.preempted_request_ids + dec.preempted_request_ids,
-                          finished_request_ids=out.finished_request_ids + dec.finished_request_ids)
+        run = merge_steps(out, dec) if dec is not None and not dec.is_empty else out
         result = self.ctx.runner.execute(run)
-        upd = self.scheduler.update(out, _part(result, out))
+        upd = self.scheduler.update(out, split_result(result, out))
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         if dec is not None:
-            apply_decode_step(self.ctx, self.kept, dec, _part(result, dec))
+            apply_decode_step(self.ctx, self.kept, dec, split_result(result, dec))
         for req in upd.finished:
             stream = self.streams.get(req.request_id)
             if stream is not None:  # ended by its first token: the decode side must free its reservation
@@ -370,19 +355,8 @@ class PrefillWorker:
 
     def _account_dispatch(self, decode_id: str, req: Request) -> None:
         """Optimistically charge the chosen instance until its next load report (avoids herding)."""
-        for i, r in enumerate(self.decode_loads):
-            if r.instance_id == decode_id:
-                need = min(r.num_free_blocks, r.blocks_for_tokens(req.num_tokens + max(1, req.predicted_lower or 1)))
-                heavy = (req.predicted_lower or 0) > self.ctx.spec.heavy_decode_tokens
-                self.decode_loads[i] = replace(
-                    r,
-                    num_free_blocks=r.num_free_blocks - need,
-                    num_used_blocks=r.num_used_blocks + need,
-                    num_queued=r.num_queued + 1,
-                    num_heavy_decodes=r.num_heavy_decodes + int(heavy),
-                    num_light_decodes=r.num_light_decodes + int(not heavy),
-                )
-                return
+        self.decode_loads = charge_dispatch(self.decode_loads, decode_id, req.num_tokens, req.predicted_lower,
+                                            self.ctx.spec.heavy_decode_tokens)
 
     def _retry_dispatch(self) -> None:
         for _ in range(len(self.awaiting_dispatch)):

@@ -1,0 +1,364 @@
+"""A simulated cluster: front end (global scheduler), monitor, instances and links on one virtual clock.
+
+The same core code as ``tetriinfer serve`` decides everything: ``GlobalPolicy`` routes arrivals (least-loaded
+prefill instance, or a decode instance under conditional disaggregation) from the monitor's latest load
+reports; the monitor builds every instance's ``LoadReport`` each ``report_interval_s``, runs ``FlipPolicy``
+(drain, then switch role in place) and broadcasts decode loads to the prefill instances' dispatchers. What is
+simulated: step times (a ``CostModel``), KV transfers (``Links``), role-switch time, and the model's tokens.
+
+Request lifecycle and invariants: every request of the workload ends in exactly one terminal state
+(finished, or failed with a reason; rejected ones -- too long for the model -- are never sent); at the end
+every instance's KV pool is whole again. A run that stops making progress raises ``SimulationStuck``
+instead of returning partial numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tetriinfer.bench.metrics import RequestRecord
+from tetriinfer.bench.workloads import Workload, WorkloadRequest
+from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
+from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.load import LoadReport, Role
+from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.runtime.cluster_config import ClusterConfig
+from tetriinfer.sim.cost_model import CostModel
+from tetriinfer.sim.events import EventLoop
+from tetriinfer.sim.instances import (
+    SAMPLED_TOKEN,
+    Handoff,
+    InstancePolicies,
+    SimColocated,
+    SimDecode,
+    SimInstance,
+    SimPrefill,
+)
+from tetriinfer.sim.link import Links
+
+PREDICTION_GRANULARITY = 200  # the paper's bucket width (runtime/predictor_hook.py)
+
+
+class SimulationStuck(RuntimeError):
+    """Requests are unfinished but no event is left to run (a scheduling deadlock)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """``cluster``: mode, instance counts and policies, exactly as ``tetriinfer serve`` takes them.
+
+    ``num_kv_blocks``: KV blocks per instance; ``kv_bytes_per_token``: bytes a transfer moves per token;
+    ``predictor_accuracy``: with ``cluster.predictor == "oracle"``, the share of requests whose predicted
+    bucket is the true one (the rest land one bucket off, either way); ``switch_s``: a role flip's switch time
+    once the instance is empty; ``max_concurrency``: closed loop (a request is sent when one of at most this
+    many in flight finishes) instead of the workload's arrival times."""
+
+    cluster: ClusterConfig
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    link_bandwidth: str | float = "200Gbps"
+    link_latency: str | float = 0.0
+    predictor_accuracy: float = 1.0
+    switch_s: float = 0.01
+    max_concurrency: int | None = None
+    max_sim_s: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 <= self.predictor_accuracy <= 1.0:
+            raise ValueError(f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
+        if self.switch_s < 0:
+            raise ValueError(f"switch_s must be >= 0, got {self.switch_s}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+    def policies(self, index: int) -> InstancePolicies:
+        c = self.cluster
+        pol = c.role_policies()
+        return InstancePolicies(
+            prefill_policy=pol.prefill_policy, prefill_sched_batch=c.prefill_sched_batch, chunk_size=c.chunk_size,
+            pad_last_chunk=c.pad_last_chunk, dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
+            colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
+            max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, heavy_decode_tokens=c.heavy_decode_tokens,
+            keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, seed=c.seed + index,
+        )
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    busy_s: dict[str, float]  # per instance: seconds spent in steps
+    steps: dict[str, int]
+    duration_s: float
+    local_prefills: int = 0
+    kept_decodes: int = 0
+    flips: list[dict[str, Any]] = field(default_factory=list)
+    transfer_bytes: int = 0
+    events: int = 0
+
+    @property
+    def resource_s(self) -> float:
+        return sum(self.busy_s.values())
+
+
+@dataclass
+class _Tracked:
+    wreq: WorkloadRequest
+    record: RequestRecord
+    prefill_role: str | None = None
+
+
+class SimCluster:
+    """One simulated run of one workload on one cluster layout. ``run()`` once."""
+
+    def __init__(self, config: SimConfig, cost: CostModel) -> None:
+        self.config = config
+        self.cost = cost
+        c = config.cluster
+        self.loop = EventLoop()
+        self.links = Links(config.link_bandwidth, config.link_latency)
+        self.policy = GlobalPolicy(LocalPrefillConfig(enabled=c.local_prefill and c.disaggregated,
+                                                      interference_weight=c.local_prefill_weight))
+        self.flips = FlipPolicy(FlipConfig(enabled=c.flip and c.disaggregated, threshold=c.flip_threshold,
+                                           window_s=c.flip_window_s))
+        self.instances: dict[str, SimInstance] = {}
+        counts: dict[str, int] = {}
+        for index, role in enumerate(c.roles()):
+            iid = f"{'instance' if role == 'colocated' else role}-{counts.get(role, 0)}"
+            counts[role] = counts.get(role, 0) + 1
+            self.instances[iid] = self._make(role, iid, index)
+        self.loads: list[LoadReport] = []
+        self._rng = random.Random(c.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._unrouted: deque[str] = deque()
+        self._backlog: deque[str] = deque()  # closed loop: not yet sent
+        self._in_flight = 0
+        self._open = 0  # sent and not terminal
+        self._ended: set[str] = set()
+        self.num_kept = 0
+        self.flip_log: list[dict[str, Any]] = []
+        self._index = {iid: i for i, iid in enumerate(self.instances)}
+
+    # ---- construction -------------------------------------------------------------------
+    def _make(self, role: str, iid: str, index: int) -> SimInstance:
+        kv = KVCacheManager(self.config.num_kv_blocks, self.config.cluster.block_size)
+        cls = {"prefill": SimPrefill, "decode": SimDecode, "colocated": SimColocated}[role]
+        return cls(iid, kv, self.cost, self, self.config.policies(index))
+
+    # ---- running --------------------------------------------------------------------------
+    def run(self, workload: Workload) -> SimResult:
+        cfg = self.config
+        for wreq in workload.requests:
+            rec = RequestRecord(wreq.request_id, wreq.prompt_tokens, wreq.output_tokens, wreq.arrival_s)
+            self._tracked[wreq.request_id] = _Tracked(wreq, rec)
+            if wreq.rejected:
+                rec.rejected, rec.error = True, wreq.reject_reason or "rejected"
+                continue
+            if cfg.max_concurrency is not None:
+                self._backlog.append(wreq.request_id)
+            else:
+                self.loop.at(wreq.arrival_s, lambda rid=wreq.request_id: self._arrive(rid))
+            self._open += 1
+        self._monitor()  # the first reports exist before anything is routed
+        if cfg.max_concurrency is not None:
+            self._fill_closed_loop()
+        self.loop.run(until=cfg.max_sim_s)
+        if self._open:
+            raise SimulationStuck(
+                f"{self._open} requests unfinished at t={self.loop.now:.3f}s with no event left "
+                f"(instances: {', '.join(f'{i.iid}: {type(i).__name__}' for i in self.instances.values())})")
+        for inst in self.instances.values():
+            if inst.kv.num_free_blocks != inst.kv.num_blocks:
+                raise AssertionError(f"{inst.iid} still holds {inst.kv.num_used_blocks} KV blocks after the run")
+        records = [t.record for t in self._tracked.values()]
+        ends = [r.finish_s for r in records if r.finish_s is not None]
+        return SimResult(
+            records=records, busy_s={i.iid: i.busy_s for i in self.instances.values()},
+            steps={i.iid: i.steps for i in self.instances.values()}, duration_s=max(ends) if ends else 0.0,
+            local_prefills=self.policy.num_local_prefills, kept_decodes=self.num_kept, flips=self.flip_log,
+            transfer_bytes=self.links.bytes_sent, events=self.loop.num_events,
+        )
+
+    def _fill_closed_loop(self) -> None:
+        limit = self.config.max_concurrency or 0
+        while self._backlog and self._in_flight < limit:
+            self._arrive(self._backlog.popleft(), closed_loop=True)
+
+    # ---- front end ------------------------------------------------------------------------
+    def _new_request(self, wreq: WorkloadRequest, now: float) -> Request:
+        req = Request(
+            request_id=wreq.request_id, prompt_token_ids=[SAMPLED_TOKEN + 1] * wreq.prompt_tokens,
+            sampling_params=SamplingParams(max_tokens=wreq.output_tokens, temperature=0.0, ignore_eos=True),
+            arrival_time=now, eos_token_id=None,
+        )
+        if self.config.cluster.role_policies().predictor == "oracle":
+            g = PREDICTION_GRANULARITY
+            bucket = wreq.output_tokens // g
+            if self._rng.random() >= self.config.predictor_accuracy:
+                bucket = max(0, bucket + self._rng.choice((-1, 1)))
+            req.predicted_bucket, req.predicted_lower, req.predicted_upper = bucket, bucket * g, (bucket + 1) * g
+        return req
+
+    def _arrive(self, rid: str, closed_loop: bool = False) -> None:
+        now = self.loop.now
+        t = self._tracked[rid]
+        if closed_loop:
+            t.record.arrival_s = now
+        t.record.send_s = now
+        self._in_flight += 1
+        self.policy.add(rid, now, t.wreq.prompt_tokens)
+        self._unrouted.append(rid)
+        self._route_pending()
+
+    def _route_pending(self) -> None:
+        now = self.loop.now
+        for _ in range(len(self._unrouted)):
+            rid = self._unrouted.popleft()
+            target = self.policy.route(rid, self.loads, now)
+            if target is None:
+                self._unrouted.append(rid)
+                continue
+            t = self._tracked[rid]
+            inst = self.instances[target]
+            try:
+                req = self._new_request(t.wreq, now)  # ValueError: e.g. max_tokens 0, as a server refuses it
+                if isinstance(inst, SimDecode):
+                    t.prefill_role = "decode"
+                    inst.add_local(req)
+                elif isinstance(inst, SimPrefill | SimColocated):
+                    t.prefill_role = inst.role
+                    inst.add(req)
+                else:  # pragma: no cover - roles are closed
+                    raise AssertionError(type(inst))
+            except ValueError as exc:
+                self.on_failed(rid, str(exc))
+
+    # ---- Host: called by instances ----------------------------------------------------------
+    def on_tokens(self, new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None:
+        now = self.loop.now
+        for rid in new_tokens:
+            t = self._tracked[rid]
+            rec = t.record
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+            rec.chunk_times_s.append(now)
+            rec.chunk_tokens.append(1)
+            rec.output_tokens += 1
+            self.policy.on_tokens(rid, 1, now)
+        for req in finished:  # ended by length (max_tokens, or the model's context): delivered, complete
+            if req.status is not RequestStatus.FINISHED_ABORTED:
+                self._end(req.request_id, success=True, reason=None)
+
+    def on_failed(self, request_id: str, reason: str) -> None:
+        self._end(request_id, success=False, reason=reason)
+
+    def on_dispatched(self, request_id: str, decode_id: str) -> None:
+        self.policy.on_dispatched(request_id, decode_id)
+        if isinstance(self.instances.get(decode_id), SimPrefill):
+            self.num_kept += 1
+
+    def handoff(self, prefill_id: str, decode_id: str, req: Request, num_blocks: int) -> None:
+        copy = Request(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling_params=req.sampling_params,
+            arrival_time=req.arrival_time, eos_token_id=req.eos_token_id,
+            output_token_ids=list(req.output_token_ids),
+            predicted_bucket=req.predicted_bucket, predicted_lower=req.predicted_lower,
+            predicted_upper=req.predicted_upper,
+        )
+        copy.num_computed_tokens = copy.num_tokens - 1
+
+        def deliver() -> None:
+            dst = self.instances[decode_id]
+            if not isinstance(dst, SimDecode):  # flipped meanwhile (cannot happen: it drains first)
+                self.on_failed(req.request_id, f"{decode_id} is no longer a decode instance")
+                self._kv_done(prefill_id, req.request_id)
+                return
+            dst.receive(Handoff(copy, prefill_id, num_blocks))
+
+        self.loop.at(self.links.message(self.loop.now), deliver)
+
+    def transfer(self, prefill_id: str, decode_id: str, request_id: str, num_blocks: int,
+                 done: Callable[[], None]) -> None:
+        nbytes = num_blocks * self.config.cluster.block_size * self.config.kv_bytes_per_token
+        arrive = self.links.send(prefill_id, decode_id, nbytes, self.loop.now)
+
+        def finish() -> None:
+            self._kv_done(prefill_id, request_id)
+            done()
+
+        self.loop.at(arrive, finish)
+
+    def _kv_done(self, prefill_id: str, request_id: str) -> None:
+        src = self.instances.get(prefill_id)
+        if isinstance(src, SimPrefill):
+            src.kv_done(request_id)
+
+    # ---- terminal bookkeeping -------------------------------------------------------------
+    def _end(self, rid: str, success: bool, reason: str | None) -> None:
+        if rid in self._ended:
+            raise AssertionError(f"request {rid!r} ended twice")
+        self._ended.add(rid)
+        now = self.loop.now
+        rec = self._tracked[rid].record
+        rec.finish_s = now
+        rec.success = success and rec.output_tokens >= 1
+        rec.error = reason
+        phase = Phase.FINISHED if rec.success else Phase.FAILED
+        self.policy.on_terminal(rid, phase, now, reason)
+        self._open -= 1
+        self._in_flight -= 1
+        if self.config.max_concurrency is not None:
+            self._fill_closed_loop()
+
+    # ---- monitor ------------------------------------------------------------------------------
+    def _monitor(self) -> None:
+        c = self.config.cluster
+        now = self.loop.now
+        reports = [inst.report(now, inst.take_utilization(c.report_interval_s)) for inst in self.instances.values()]
+        if c.disaggregated:
+            for cmd in self.flips.observe(reports, now):
+                inst = self.instances[cmd.instance_id]
+                if cmd.action is FlipAction.DRAIN:
+                    inst.state = self.flips.state(inst.iid)
+                else:
+                    self._switch(inst, cmd.to_role)
+            reports = self.flips.annotate(reports)
+            for inst in self.instances.values():
+                inst.state = self.flips.state(inst.iid)
+        self.loads = reports
+        decode_loads = [r for r in reports if r.role is Role.DECODE]
+        for inst in self.instances.values():
+            if isinstance(inst, SimPrefill):
+                inst.decode_loads = list(decode_loads)
+                inst.kick()  # dispatches waiting for a decode instance retry on fresh loads
+        self._route_pending()
+        if self._open:
+            self.loop.after(c.report_interval_s, self._monitor)
+
+    def _switch(self, inst: SimInstance, to_role: Role) -> None:
+        if not inst.is_empty() or inst.kv.num_used_blocks:
+            raise AssertionError(f"{inst.iid} switches role while holding work")
+        decided = self.loop.now
+
+        def done() -> None:
+            new = self._make(to_role.value, inst.iid, self._index[inst.iid])
+            new.busy_s, new.steps = inst.busy_s, inst.steps
+            self.instances[inst.iid] = new
+            rec = self.flips.on_switched(inst.iid, self.loop.now)
+            self.flip_log.append({"instance": inst.iid, "from": rec.from_role.value, "to": rec.to_role.value,
+                                  "decided_s": rec.decided_at, "drained_s": rec.drained_at,
+                                  "switched_s": self.loop.now, "switch_s": self.loop.now - decided})
+
+        self.loop.after(self.config.switch_s, done)

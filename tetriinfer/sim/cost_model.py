@@ -1,0 +1,229 @@
+"""How long one scheduled step takes: the simulator's executor of a ``SchedulerOutput``.
+
+Two models, both pure functions of the step (no clock, no torch):
+
+- ``ProfileCostModel``: measured on a real engine (``tetriinfer profile``: prefill seconds per forward size,
+  decode seconds per batch size). A step with any prompt tokens costs the prefill curve at its total token
+  count (decode rows in a mixed step count as tokens); a pure decode step costs the decode curve at its batch
+  size. Linear interpolation between measured points, linear extrapolation past the ends. Attention's growth
+  with context is only what the profile saw (prefill from position 0, decode at the profile's context).
+- ``RooflineCostModel``: analytic, for accelerators you cannot profile here. Each part of the forward costs
+  ``max(FLOPs / (peak x mfu), bytes / (bandwidth x mbu))``; parts: the layers' linear weights (read once per
+  step, 2 FLOPs per weight per token), the LM head (sampled rows only), attention (causal FLOPs over each
+  segment's context; the context's K/V read once), plus a fixed per-step overhead (scheduler, launch).
+  Presets for common GPUs and models; efficiencies are assumptions, stated in the report.
+
+Invariants: a step's cost is > 0 for a non-empty step, 0 for an empty one, and never decreases when a token
+or a row is added to a step of the same kind.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tetriinfer.core.step import SchedulerOutput
+from tetriinfer.engine.model_config import ModelConfig
+
+
+class CostModel(Protocol):
+    def step_seconds(self, out: SchedulerOutput) -> float: ...
+
+
+def is_decode_only(out: SchedulerOutput) -> bool:
+    """Every segment is one new token that continues a request (no prompt tokens in this step)."""
+    return all(s.num_tokens == 1 and s.start > 0 and s.sample for s in out.segments)
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (sorted xs), extended linearly past both ends; >= 0."""
+    if len(xs) == 1:
+        return max(0.0, ys[0] * x / xs[0]) if xs[0] else ys[0]
+    i = bisect.bisect_left(xs, x)
+    lo = min(max(i - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[lo], xs[lo + 1], ys[lo], ys[lo + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class ProfileCostModel:
+    """``prefill``: (tokens per forward, seconds) points; ``decode``: (batch, seconds) points."""
+
+    prefill: tuple[tuple[int, float], ...]
+    decode: tuple[tuple[int, float], ...]
+    step_overhead_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            pts = getattr(self, name)
+            if not pts:
+                raise ValueError(f"{name} needs at least one measured point")
+            xs = [x for x, _ in pts]
+            if xs != sorted(set(xs)) or any(x < 1 for x in xs) or any(not y > 0 for _, y in pts):
+                raise ValueError(f"{name} points must have distinct increasing sizes >= 1 and seconds > 0")
+        if self.step_overhead_s < 0:
+            raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+
+    @classmethod
+    def from_profile(cls, profile: dict[str, Any] | str | Path, step_overhead_s: float = 0.0) -> ProfileCostModel:
+        """From a ``tetriinfer profile`` JSON (its ``prefill``/``decode`` lists) or the parsed dict."""
+        source = ""
+        if not isinstance(profile, dict):
+            source = str(profile)
+            profile = json.loads(Path(profile).read_text())
+        pre = sorted((int(r["tokens"]), float(r["seconds"])) for r in profile["prefill"])
+        dec = sorted((int(r["batch"]), float(r["seconds"])) for r in profile["decode"])
+        return cls(tuple(pre), tuple(dec), step_overhead_s, source or str(profile.get("model", "")))
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        return _interp([float(x) for x, _ in self.prefill], [y for _, y in self.prefill], float(num_tokens))
+
+    def decode_seconds(self, batch: int) -> float:
+        return _interp([float(x) for x, _ in self.decode], [y for _, y in self.decode], float(batch))
+
+    def step_seconds(self, out: SchedulerOutput) -> float:
+        if out.is_empty:
+            return 0.0
+        if is_decode_only(out):
+            return self.decode_seconds(len(out.segments)) + self.step_overhead_s
+        return self.prefill_seconds(out.num_scheduled_tokens + out.num_padding_tokens) + self.step_overhead_s
+
+    def describe(self) -> str:
+        return f"profile {self.source or '(inline)'}, step overhead {self.step_overhead_s * 1e3:.1f} ms"
+
+
+# ------------------------------------------------------------------------------------------ roofline
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense FLOP/s at the serving dtype
+    mem_bandwidth_Bps: float
+    memory_bytes: float
+
+    def __post_init__(self) -> None:
+        if not (self.peak_flops > 0 and self.mem_bandwidth_Bps > 0 and self.memory_bytes > 0):
+            raise ValueError(f"hardware {self.name!r}: peak_flops, mem_bandwidth_Bps and memory_bytes must be > 0")
+
+
+GIB = 1024**3
+# Datasheet dense fp16/bf16 tensor-core peaks and HBM bandwidths.
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    "v100-32g": Hardware("V100 32GB", 125e12, 900e9, 32 * GIB),
+    "a100-40g": Hardware("A100 40GB", 312e12, 1.555e12, 40 * GIB),
+    "a100-80g": Hardware("A100 80GB", 312e12, 2.039e12, 80 * GIB),
+    "h100-80g": Hardware("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB),
+    "h200-141g": Hardware("H200 141GB", 989e12, 4.8e12, 141 * GIB),
+}
+
+
+def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, ctx: int) -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": inter,
+            "vocab_size": vocab, "max_position_embeddings": ctx}
+
+
+# Published shapes (HF config.json fields).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": _llama(4096, 32, 32, 32, 11008, 32000, 4096),
+    "llama-2-13b": _llama(5120, 40, 40, 40, 13824, 32000, 4096),
+    "llama-3-8b": _llama(4096, 32, 32, 8, 14336, 128256, 8192),
+    "mistral-7b": _llama(4096, 32, 32, 8, 14336, 32000, 32768),
+    "opt-13b": {"architectures": ["OPTForCausalLM"], "hidden_size": 5120, "num_hidden_layers": 40,
+                "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272, "max_position_embeddings": 2048},
+}
+
+
+def model_config(name_or_dir: str) -> ModelConfig:
+    """A preset name (``MODEL_PRESETS``) or a model folder with a ``config.json``."""
+    if name_or_dir in MODEL_PRESETS:
+        return ModelConfig.from_dict(MODEL_PRESETS[name_or_dir])
+    path = Path(name_or_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {name_or_dir!r}: not a preset ({', '.join(MODEL_PRESETS)}) "
+                         f"and no {path}")
+    return ModelConfig.from_dict(json.loads(path.read_text()))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """K and V of every layer for one token."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    model: ModelConfig
+    hardware: Hardware
+    dtype_bytes: int = 2
+    mfu: float = 0.5  # achieved / peak FLOP/s on compute-bound parts (assumption)
+    mbu: float = 0.7  # achieved / peak bandwidth on memory-bound parts (assumption)
+    step_overhead_s: float = 0.003  # scheduling + launch per step (assumption)
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype_bytes not in (1, 2, 4):
+            raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes}")
+        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
+            raise ValueError("mfu and mbu must be in (0, 1]")
+        if self.step_overhead_s < 0:
+            raise ValueError("step_overhead_s must be >= 0")
+        if self.tensor_parallel < 1:
+            raise ValueError("tensor_parallel must be >= 1")
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.model.vocab_size * self.model.hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """Weights the layers read per step: everything but the embedding table(s)."""
+        tied = self.model.tie_word_embeddings
+        return self.model.num_params() - self.lm_head_params * (1 if tied else 2)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.num_params() * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model, self.dtype_bytes)
+
+    def _roofline(self, flops: float, nbytes: float) -> float:
+        tp = self.tensor_parallel
+        peak, bw = self.hardware.peak_flops * self.mfu * tp, self.hardware.mem_bandwidth_Bps * self.mbu * tp
+        return max(flops / peak, nbytes / bw)
+
+    def step_seconds(self, out: SchedulerOutput) -> float:
+        if out.is_empty:
+            return 0.0
+        m = self.model
+        tokens = out.num_scheduled_tokens + out.num_padding_tokens
+        sampled = sum(1 for s in out.segments if s.sample)
+        linear = self._roofline(2.0 * self.layer_params * tokens, self.layer_params * self.dtype_bytes)
+        head = self._roofline(2.0 * self.lm_head_params * sampled, self.lm_head_params * self.dtype_bytes)
+        attn_flops = 0.0
+        kv_read = 0.0
+        width = m.num_heads * m.head_dim
+        for s in out.segments:
+            q = s.num_tokens
+            attn_flops += 4.0 * m.num_layers * width * q * (s.start + (q + 1) / 2.0)  # QK^T and PV, causal
+            kv_read += s.end * self.kv_bytes_per_token
+        attn = self._roofline(attn_flops, kv_read + tokens * self.kv_bytes_per_token)
+        return linear + head + attn + self.step_overhead_s
+
+    def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
+        """Tokens of KV that fit next to the weights in ``memory_fraction`` of the device memory (x TP)."""
+        free = self.hardware.memory_bytes * self.tensor_parallel * memory_fraction - self.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model.architecture} weights ({self.weight_bytes / GIB:.1f} GiB) do not fit on "
+                             f"{self.tensor_parallel} x {self.hardware.name}")
+        return int(free // self.kv_bytes_per_token)
+
+    def describe(self) -> str:
+        return (f"roofline {self.hardware.name} x{self.tensor_parallel}, {self.dtype_bytes}-byte weights, "
+                f"mfu {self.mfu:.2f}, mbu {self.mbu:.2f}, step overhead {self.step_overhead_s * 1e3:.1f} ms")

@@ -1,0 +1,387 @@
+"""Simulated instances: the real ``tetriinfer.core`` schedulers, stepped on a virtual clock.
+
+Each instance runs one step at a time, like the runtime's workers (``runtime/*_worker.py``): it asks its
+scheduler for a ``SchedulerOutput``, the cost model says how long the step takes, and when the step ends the
+scheduler is updated with a synthetic ``StepResult`` (token ``SAMPLED_TOKEN`` for every sampled row; the
+front end builds requests with ``ignore_eos`` so each ends at its ``max_tokens``, the workload's length).
+Nothing here decides *what* runs: order, chunks, admission, dispatch and keeping are the core policies'.
+
+Lifecycle of a disaggregated request here (as in ``runtime/prefill_worker.py`` and ``decode_worker.py``):
+queued at a prefill instance -> chunks prefilled -> first token -> KV staged, prefill blocks freed ->
+dispatched (or kept to decode here) -> handoff reaches the decode instance -> blocks reserved (FIFO) -> KV
+crosses the link -> decoding -> finished. Every KV block a request held is freed on both sides.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from tetriinfer.core.colocated_scheduler import (
+    ColocatedSchedulerConfig,
+    colocated_load_report,
+    make_colocated_scheduler,
+)
+from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
+from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig, charge_dispatch
+from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
+from tetriinfer.core.request import Request
+from tetriinfer.core.step import SchedulerOutput, StepResult, merge_steps, split_result
+from tetriinfer.sim.cost_model import CostModel
+from tetriinfer.sim.events import EventLoop
+
+SAMPLED_TOKEN = 1
+
+
+class Host(Protocol):
+    """What an instance calls back into (the simulated cluster: front end, links, peers)."""
+
+    loop: EventLoop
+
+    def on_tokens(self, new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None: ...
+
+    def on_failed(self, request_id: str, reason: str) -> None: ...
+
+    def on_dispatched(self, request_id: str, decode_id: str) -> None: ...
+
+    def handoff(self, prefill_id: str, decode_id: str, req: Request, num_blocks: int) -> None: ...
+
+    def transfer(self, prefill_id: str, decode_id: str, request_id: str, num_blocks: int,
+                 done: Callable[[], None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class InstancePolicies:
+    """Everything an instance's schedulers are configured with (from ``ClusterConfig.role_policies``)."""
+
+    prefill_policy: str = "fcfs"
+    prefill_sched_batch: int = 16
+    chunk_size: int = 512
+    pad_last_chunk: bool = False
+    dispatch_policy: str = "length-aware"
+    decode_policy: str = "greedy"
+    colocated_policy: str = "vllm"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    heavy_decode_tokens: int = 128
+    keep_decode: bool = False
+    keep_decode_ratio: float = 0.5
+    seed: int = 0
+
+
+def synthetic_result(out: SchedulerOutput) -> StepResult:
+    return StepResult(out.step_id, {s.request_id: SAMPLED_TOKEN for s in out.segments if s.sample})
+
+
+class SimInstance:
+    """Stepping, busy-time accounting and state shared by every role."""
+
+    role: str = ""
+
+    def __init__(self, iid: str, kv: KVCacheManager, cost: CostModel, host: Host, pol: InstancePolicies) -> None:
+        self.iid, self.kv, self.cost, self.host, self.pol = iid, kv, cost, host, pol
+        self.state = InstanceState.ACTIVE
+        self.stepping = False
+        self._start_pending = False
+        self.busy_s = 0.0  # total seconds spent in steps (resource usage time)
+        self.window_busy_s = 0.0  # since the last load report
+        self.steps = 0
+
+    # subclass hooks
+    def next_step(self) -> SchedulerOutput | None:
+        raise NotImplementedError
+
+    def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        raise NotImplementedError
+
+    def report(self, now: float, utilization: float) -> LoadReport:
+        raise NotImplementedError
+
+    def is_empty(self) -> bool:
+        raise NotImplementedError
+
+    def kick(self) -> None:
+        """Start the next step once the events of this instant are handled (as the runtime's instance loop
+        drains its socket before it steps), unless a step is running."""
+        if not self.stepping and not self._start_pending:
+            self._start_pending = True
+            self.host.loop.after(0.0, self._start)
+
+    def _start(self) -> None:
+        """An empty step (nothing runnable) is settled at once (it may report requests its ``schedule`` ended);
+        nothing more starts until an event kicks again."""
+        self._start_pending = False
+        if self.stepping:
+            return
+        out = self.next_step()
+        if out is None:
+            return
+        if out.is_empty:
+            self.end_step(out, synthetic_result(out))
+            return
+        secs = self.cost.step_seconds(out)
+        self.stepping = True
+        self.busy_s += secs
+        self.window_busy_s += secs
+        self.steps += 1
+        self.host.loop.after(secs, lambda: self._finish(out))
+
+    def _finish(self, out: SchedulerOutput) -> None:
+        self.stepping = False
+        self.end_step(out, synthetic_result(out))
+        self._start()
+
+    def take_utilization(self, interval_s: float) -> float:
+        """Busy fraction since the previous call (steps are charged when they start), in [0, 1]."""
+        u = min(1.0, self.window_busy_s / interval_s) if interval_s > 0 else 0.0
+        self.window_busy_s = 0.0
+        return u
+
+
+class SimPrefill(SimInstance):
+    role = "prefill"
+
+    def __init__(self, iid: str, kv: KVCacheManager, cost: CostModel, host: Host, pol: InstancePolicies) -> None:
+        super().__init__(iid, kv, cost, host, pol)
+        self.scheduler = PrefillScheduler(
+            PrefillSchedulerConfig(policy=pol.prefill_policy, prefill_sched_batch=pol.prefill_sched_batch,
+                                   chunk_size=pol.chunk_size, pad_last_chunk=pol.pad_last_chunk,
+                                   max_model_len=pol.max_model_len),
+            kv,
+        )
+        self.dispatcher = Dispatcher(DispatcherConfig(policy=pol.dispatch_policy,
+                                                      heavy_decode_tokens=pol.heavy_decode_tokens, seed=pol.seed))
+        self.keep_config = KeepDecodeConfig(enabled=pol.keep_decode, ratio=pol.keep_decode_ratio)
+        self.kept = DecodeScheduler(
+            DecodeSchedulerConfig(policy="greedy", max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len,
+                                  heavy_decode_tokens=pol.heavy_decode_tokens),
+            kv,
+        )
+        self.decode_loads: list[LoadReport] = []  # the monitor's latest broadcast (+ this dispatcher's charges)
+        self.awaiting: deque[tuple[Request, int]] = deque()  # staged, no decode instance chosen yet
+        self.staged: set[str] = set()  # KV held in staging until the decode side has it
+        self._parts: tuple[SchedulerOutput | None, SchedulerOutput | None] = (None, None)
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.kick()
+
+    def is_empty(self) -> bool:
+        return not (self.scheduler.has_unfinished() or self.kept.has_unfinished() or self.staged)
+
+    def _kept_step(self) -> SchedulerOutput | None:
+        if not (self.kept.running or self.kept.suspended):
+            return None
+        out = self.kept.schedule()
+        if out.swapped_out or out.swapped_in:
+            raise RuntimeError("swap preemption is not simulated; use recompute")
+        return out
+
+    def next_step(self) -> SchedulerOutput | None:
+        self.retry_dispatch()
+        if self.scheduler.num_queued:
+            out = self.scheduler.schedule()
+            if not out.is_empty:
+                dec = self._kept_step()
+                self._parts = (out, dec)
+                return merge_steps(out, dec) if dec is not None and not dec.is_empty else out
+        dec = self._kept_step()
+        self._parts = (None, dec)
+        return dec
+
+    def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        pre, dec = self._parts
+        self._parts = (None, None)
+        if pre is not None:
+            upd = self.scheduler.update(pre, split_result(result, pre))
+            self.host.on_tokens(upd.new_tokens, upd.finished)
+            for req in upd.prefilled:
+                self.stage(req)
+        if dec is not None:
+            upd_d = self.kept.update(dec, split_result(result, dec))
+            self.host.on_tokens(upd_d.new_tokens, upd_d.finished)
+
+    def _try_keep(self, req: Request) -> bool:
+        if not self.keep_config.enabled or self.state is not InstanceState.ACTIVE:
+            return False
+        pool, cap = self.kv.pool, self.pol.max_model_len
+
+        def full_blocks(r: Request) -> int:
+            return pool.blocks_for_tokens(min(r.num_prompt_tokens + r.sampling_params.max_tokens, cap))
+
+        if not should_keep(
+            self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
+            own_queued=self.scheduler.num_queued,
+            own_committed_blocks=sum(full_blocks(r) for r in self.kept.requests.values()),
+            request_blocks=full_blocks(req), pool_blocks=self.kv.num_blocks, decode_loads=self.decode_loads,
+        ):
+            return False
+        self.kept.adopt(self.scheduler.keep(req.request_id))
+        self.host.on_dispatched(req.request_id, self.iid)
+        return True
+
+    def stage(self, req: Request) -> None:
+        """Keep the request here, or copy its KV out (the device blocks are freed at once) and dispatch it."""
+        if self._try_keep(req):
+            return
+        n = self.kv.pool.blocks_for_tokens(req.num_computed_tokens)
+        self.scheduler.release(req.request_id)
+        self.staged.add(req.request_id)
+        self.dispatch(req, n)
+
+    def dispatch(self, req: Request, num_blocks: int) -> None:
+        decision = self.dispatcher.choose(self.decode_loads, req.num_tokens, req.predicted_lower)
+        if decision.instance_id is None:
+            self.awaiting.append((req, num_blocks))
+            return
+        self.decode_loads = charge_dispatch(self.decode_loads, decision.instance_id, req.num_tokens,
+                                            req.predicted_lower, self.pol.heavy_decode_tokens)
+        self.host.on_dispatched(req.request_id, decision.instance_id)
+        self.host.handoff(self.iid, decision.instance_id, req, num_blocks)
+
+    def retry_dispatch(self) -> None:
+        for _ in range(len(self.awaiting)):
+            req, n = self.awaiting.popleft()
+            self.dispatch(req, n)
+
+    def kv_done(self, request_id: str) -> None:
+        """The decode side has the KV (or gave up on it): drop the staging copy."""
+        self.staged.discard(request_id)
+
+    def report(self, now: float, utilization: float) -> LoadReport:
+        rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
+        held = len(self.staged) + len(self.kept.running) + len(self.kept.suspended)
+        return replace(rep, num_running=rep.num_running + held) if held else rep
+
+
+@dataclass
+class Handoff:
+    request: Request  # the decode side's copy: prompt + first token, KV for all but the last token
+    prefill_id: str
+    num_blocks: int
+
+
+class SimDecode(SimInstance):
+    role = "decode"
+
+    def __init__(self, iid: str, kv: KVCacheManager, cost: CostModel, host: Host, pol: InstancePolicies) -> None:
+        super().__init__(iid, kv, cost, host, pol)
+        self.scheduler = DecodeScheduler(
+            DecodeSchedulerConfig(policy=pol.decode_policy, max_num_seqs=pol.max_num_seqs,
+                                  max_model_len=pol.max_model_len, heavy_decode_tokens=pol.heavy_decode_tokens,
+                                  local_prefill_chunk=pol.chunk_size),
+            kv,
+        )
+        self.pending: deque[Handoff] = deque()
+        self.local_pending: deque[Request] = deque()  # conditional disaggregation: prefilled here
+        self.receiving: set[str] = set()
+
+    def receive(self, h: Handoff) -> None:
+        self.pending.append(h)
+        self.admit()
+        self.kick()
+
+    def add_local(self, req: Request) -> None:
+        self.local_pending.append(req)
+        self.admit_local()
+        self.kick()
+
+    def admit(self) -> None:
+        while self.pending:
+            h = self.pending[0]
+            rid = h.request.request_id
+            try:
+                ok = self.scheduler.reserve(h.request)
+            except ValueError as exc:  # can never run here
+                self.pending.popleft()
+                self.host.on_failed(rid, str(exc))
+                continue
+            if not ok:
+                return
+            self.pending.popleft()
+            self.receiving.add(rid)
+            self.host.transfer(h.prefill_id, self.iid, rid, h.num_blocks, lambda rid=rid: self._kv_arrived(rid))
+
+    def _kv_arrived(self, rid: str) -> None:
+        self.receiving.discard(rid)
+        if rid in self.scheduler.reserved:
+            self.scheduler.on_kv_received(rid)
+        self.kick()
+
+    def admit_local(self) -> None:
+        while self.local_pending:
+            req = self.local_pending[0]
+            try:
+                ok = self.scheduler.admit_local(req)
+            except ValueError as exc:
+                self.local_pending.popleft()
+                self.host.on_failed(req.request_id, str(exc))
+                continue
+            if not ok:
+                return
+            self.local_pending.popleft()
+
+    def is_empty(self) -> bool:
+        return not (self.scheduler.has_unfinished() or self.pending or self.local_pending or self.receiving)
+
+    def next_step(self) -> SchedulerOutput | None:
+        self.admit()
+        self.admit_local()
+        if not (self.scheduler.running or self.scheduler.suspended):
+            return None
+        out = self.scheduler.schedule()
+        if out.swapped_out or out.swapped_in:
+            raise RuntimeError("swap preemption is not simulated; use recompute")
+        return out
+
+    def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        upd = self.scheduler.update(out, result)
+        self.host.on_tokens(upd.new_tokens, upd.finished)
+        if upd.finished and (self.pending or self.local_pending):
+            self.admit()
+            self.admit_local()
+
+    def report(self, now: float, utilization: float) -> LoadReport:
+        rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
+        return replace(rep, num_queued=rep.num_queued + len(self.pending) + len(self.local_pending),
+                       num_prefill_tokens=rep.num_prefill_tokens
+                       + sum(r.num_prompt_tokens for r in self.local_pending))
+
+
+class SimColocated(SimInstance):
+    role = "colocated"
+
+    def __init__(self, iid: str, kv: KVCacheManager, cost: CostModel, host: Host, pol: InstancePolicies) -> None:
+        super().__init__(iid, kv, cost, host, pol)
+        self.scheduler = make_colocated_scheduler(
+            pol.colocated_policy,
+            ColocatedSchedulerConfig(max_num_batched_tokens=pol.max_num_batched_tokens,
+                                     max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len),
+            kv,
+        )
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.kick()
+
+    def is_empty(self) -> bool:
+        return not self.scheduler.has_unfinished()
+
+    def next_step(self) -> SchedulerOutput | None:
+        return self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+
+    def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        upd = self.scheduler.update(out, result)
+        self.host.on_tokens(upd.new_tokens, upd.finished)
+
+    def report(self, now: float, utilization: float) -> LoadReport:
+        return colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
+
+
+ROLE_OF = {"prefill": Role.PREFILL, "decode": Role.DECODE}

@@ -1,0 +1,264 @@
+"""``tetriinfer sim side-by-side``: the bench's side-by-side comparison on simulated clusters.
+
+Same inputs as ``tetriinfer bench side-by-side`` (``--modes``, ``--serve-arg``, workloads, rates, caps), the
+same JSON shape and report tables (``bench.side_by_side``), but each column is a ``SimCluster`` driven by a cost
+model instead of a server: it runs in seconds, at any scale, on hardware you do not have. Columns are built
+from their ``serve`` arguments with the serve CLI's own parser (``server.cli``), so a column means the same
+policies in both tools.
+
+Definitions as in ``bench.side_by_side``: ``--rate auto`` probes the simulated colocated column closed-loop
+(``probe_requests`` requests, ``probe_concurrency`` in flight, rate = ``(N - C) / t_(N-C)``); the floor is each
+workload's requests alone on one simulated colocated instance; resource = the instances' summed step seconds.
+A simulation is deterministic: the same inputs give the same numbers, so there are no rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tetriinfer.bench.metrics import SLO, summarize
+from tetriinfer.bench.side_by_side import (
+    BASELINE,
+    Column,
+    build_cell,
+    closed_loop_rate,
+    finalize,
+    floor_table,
+    layout_args,
+    paper_table,
+    plot_section,
+    workload_table,
+)
+from tetriinfer.bench.workloads import Workload, load_workload, workload_summary_line
+from tetriinfer.runtime.cluster_config import ClusterConfig
+from tetriinfer.sim.cluster import SimCluster, SimConfig, SimResult
+from tetriinfer.sim.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class SimSideBySideConfig:
+    workloads: tuple[str, ...]
+    columns: tuple[Column, ...]
+    num_kv_blocks: int  # per instance
+    kv_bytes_per_token: int
+    max_model_len: int
+    model: str = "sim"
+    num_requests: int = 200
+    rate: float | None = None  # None: auto (probe)
+    rate_fractions: tuple[float, ...] = (0.7,)
+    probe_requests: int = 64
+    probe_concurrency: int = 16
+    instances: int = 2
+    prefill_instances: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    arrival: str = "poisson"
+    burstiness_cv: float = 1.0
+    length_source: str | None = None
+    seed: int = 0
+    link_bandwidth: str | float = "200Gbps"
+    link_latency: str | float = 0.0
+    predictor_accuracy: float = 1.0
+    floor: bool = True
+    slo: SLO = field(default_factory=SLO)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.workloads:
+            raise ValueError("give at least one workload")
+        labels = [c.label for c in self.columns]
+        if BASELINE not in labels:
+            raise ValueError(f"the columns need the baseline {BASELINE!r} (got {labels})")
+        if any(c.external for c in self.columns):
+            raise ValueError("external servers cannot be simulated; drop --extra-server")
+        if self.num_requests < 1 or self.probe_requests < 2:
+            raise ValueError("num_requests must be >= 1 and probe_requests >= 2")
+        if not 1 <= self.probe_concurrency < self.probe_requests:
+            raise ValueError("probe_concurrency must be in [1, probe_requests)")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"rate must be > 0, got {self.rate}")
+        if not self.rate_fractions or any(not f > 0 for f in self.rate_fractions):
+            raise ValueError("rate_fractions must be positive")
+        if self.instances < 2:
+            raise ValueError("instances must be >= 2 (disaggregation needs one of each role)")
+
+    @property
+    def num_prefill(self) -> int:
+        return self.prefill_instances if self.prefill_instances is not None else max(1, self.instances // 2)
+
+    def cell_key(self, workload: str, fraction: float) -> str:
+        return workload if len(self.rate_fractions) == 1 or self.rate is not None else f"{workload}@{fraction:.0%}"
+
+
+def cluster_config_for(column: Column, cfg: SimSideBySideConfig) -> ClusterConfig:
+    """The column's ``tetriinfer serve`` arguments (layout first, then the column's own) parsed by the serve CLI."""
+    from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
+
+    parser = argparse.ArgumentParser(prog=f"column {column.label}", add_help=False)
+    add_cluster_args(parser)
+    assert column.mode is not None
+    args = parser.parse_args(["--mode", column.mode, *layout_args(column.mode, cfg.instances, cfg.num_prefill),
+                              *column.serve_args])
+    return cluster_config_from_args(args, cfg.model)
+
+
+class SimSideBySide:
+    def __init__(self, config: SimSideBySideConfig, cost: CostModel, command: str = "") -> None:
+        self.config = config
+        self.cost = cost
+        self.command = command
+        self.clusters = {c.label: cluster_config_for(c, config) for c in config.columns}
+
+    def sim_config(self, cluster: ClusterConfig, **over: Any) -> SimConfig:
+        c = self.config
+        return SimConfig(cluster, num_kv_blocks=c.num_kv_blocks, kv_bytes_per_token=c.kv_bytes_per_token,
+                         max_model_len=c.max_model_len, link_bandwidth=c.link_bandwidth, link_latency=c.link_latency,
+                         predictor_accuracy=c.predictor_accuracy, **over)
+
+    def workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:
+        c = self.config
+        is_trace = name.lower().startswith("trace:")
+        return load_workload(
+            name, n, None if burst else rate, seed,
+            arrival="trace" if is_trace and not burst else c.arrival, burstiness_cv=c.burstiness_cv,
+            max_prompt_tokens=c.max_prompt_tokens, max_output_tokens=c.max_output_tokens,
+            max_context=c.max_model_len, length_source=c.length_source,
+        )
+
+    def simulate(self, cluster: ClusterConfig, wl: Workload, **over: Any) -> SimResult:
+        return SimCluster(self.sim_config(cluster, **over), self.cost).run(wl)
+
+    def probe(self, name: str) -> float:
+        c = self.config
+        wl = self.workload(name, c.probe_requests, None, c.seed + 1000, burst=True)
+        res = self.simulate(self.clusters[BASELINE], wl, max_concurrency=c.probe_concurrency)
+        finishes = [r.last_token_s for r in res.records if r.success and r.last_token_s is not None]
+        sent = len(wl) - wl.num_rejected
+        return closed_loop_rate(finishes, sent, min(c.probe_concurrency, sent - 1))
+
+    def floor(self, name: str, rate: float) -> dict[str, Any]:
+        """Each request alone on one colocated instance: TTFT, TPOT and JCT with nothing else running."""
+        c = self.config
+        wl = self.workload(name, c.num_requests, rate, c.seed)
+        single = replace(self.clusters[BASELINE], instances=1)
+        res = self.simulate(single, wl, max_concurrency=1)
+        s = summarize(res.records)
+        return {"mean_s": s["ttft"]["mean"], "median_s": s["ttft"]["median"], "requests": s["completed"],
+                "tpot_mean_s": s["tpot"]["mean"], "jct_mean_s": s["e2e"]["mean"]}
+
+    def run(self) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any]]]]:
+        c = self.config
+        t0 = time.monotonic()
+        started = datetime.now(UTC).isoformat(timespec="seconds")
+        cells: dict[str, dict[str, dict[str, Any]]] = {}
+        details: dict[str, dict[str, dict[str, Any]]] = {}
+        raw: dict[str, dict[str, dict[str, Any]]] = {}
+        rates: dict[str, dict[str, Any]] = {}
+        wmeta: dict[str, dict[str, Any]] = {}
+        floors: dict[str, dict[str, Any]] = {}
+        probed: dict[str, float | None] = {}
+        total = len(c.workloads) * len(c.rate_fractions) * len(c.columns)
+        bar = tqdm(total=total, desc="simulate", disable=not c.progress)
+        for name in c.workloads:
+            probed[name] = self.probe(name) if c.rate is None else None
+            if c.floor:
+                floors[name] = self.floor(name, c.rate or (probed[name] or 1.0) * c.rate_fractions[0])
+            for fraction in c.rate_fractions:
+                rate = c.rate if c.rate is not None else (probed[name] or 1.0) * fraction
+                wl = self.workload(name, c.num_requests, rate, c.seed)
+                key = c.cell_key(wl.name, fraction)
+                rates[key] = {"probed_rps": probed[name], "rate_rps": rate, "requests": c.num_requests,
+                              "rate_fraction": fraction if c.rate is None else None}
+                wmeta[key] = {"summary_line": workload_summary_line(wl), "describe": wl.describe(), "key": name,
+                              "rate_fraction": fraction if c.rate is None else None}
+                for col in c.columns:
+                    res = self.simulate(self.clusters[col.label], wl)
+                    s = summarize(res.records, slo=c.slo)
+                    cells.setdefault(key, {})[col.label] = build_cell(s, res.resource_s)
+                    good = s["good_requests"] if s["good_requests"] is not None else s["completed"]
+                    n_inst = len(res.busy_s)
+                    details.setdefault(key, {})[col.label] = {
+                        "busy_per_instance_s": res.busy_s, "steps_per_instance": res.steps,
+                        "duration_s": s["duration_s"], "goodput_rps": s["goodput"],
+                        "goodput_per_instance_s": good / (n_inst * s["duration_s"]) if s["duration_s"] > 0 else None,
+                        "local_prefills": res.local_prefills, "kept_decodes": res.kept_decodes,
+                        "flips": res.flips, "transfer_bytes": res.transfer_bytes, "events": res.events,
+                        "output_len_mismatch": s["output_len_mismatch"], "rejected": s["rejected"],
+                    }
+                    raw.setdefault(key, {})[col.label] = {
+                        "requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe(),
+                    }
+                    bar.update(1)
+        bar.close()
+        meta = {
+            "simulated": True, "command": self.command, "started_at": started, "wall_s": time.monotonic() - t0,
+            "cost_model": getattr(self.cost, "describe", lambda: type(self.cost).__name__)(),
+            "model": c.model, "instances": c.instances, "prefill_instances": c.num_prefill,
+            "num_kv_blocks": c.num_kv_blocks, "kv_bytes_per_token": c.kv_bytes_per_token,
+            "max_model_len": c.max_model_len, "link_bandwidth": str(c.link_bandwidth),
+            "link_latency": str(c.link_latency), "predictor_accuracy": c.predictor_accuracy,
+            "caps": {"max_prompt_tokens": c.max_prompt_tokens, "max_output_tokens": c.max_output_tokens},
+            "columns": [{"label": col.label, "mode": col.mode, "serve_args": list(col.serve_args)}
+                        for col in c.columns],
+            "rate_mode": "auto" if c.rate is None else "fixed", "rate_fractions": list(c.rate_fractions),
+            "probe_requests": c.probe_requests, "probe_concurrency": c.probe_concurrency, "arrival": c.arrival,
+            "burstiness_cv": c.burstiness_cv, "rates": rates, "workloads": wmeta, "details": details,
+            "floor": floors, "slo": {"ttft_ms": c.slo.ttft_ms, "tpot_ms": c.slo.tpot_ms, "e2e_ms": c.slo.e2e_ms},
+        }
+        return {"workloads": finalize(cells), "meta": meta}, raw
+
+
+def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative_to: Path | None = None) -> str:
+    """Setup, rates, the paper-style table, the floor, per-workload tables (the bench report's tables)."""
+    meta = result.get("meta", {})
+    lines = ["# Simulated side-by-side: TetriInfer vs its baselines", ""]
+    lines.append(f"- Command: `{meta.get('command', '?')}`")
+    lines.append(f"- Simulated {meta.get('started_at', '?')} in {meta.get('wall_s', 0):.1f} s wall time "
+                 "(deterministic: the same inputs give the same numbers).")
+    lines.append(f"- Cost model: {meta.get('cost_model', '?')}.")
+    lines.append(f"- Model: `{meta.get('model', '?')}`; context {meta.get('max_model_len')} tokens; KV pool "
+                 f"{meta.get('num_kv_blocks')} blocks per instance; {meta.get('kv_bytes_per_token')} KV bytes per "
+                 f"token; link {meta.get('link_bandwidth')}, latency {meta.get('link_latency')}; caps "
+                 f"{meta.get('caps', {})}.")
+    inst, pre = meta.get("instances") or 0, meta.get("prefill_instances") or 0
+    lines.append(f"- Layout: {inst} instances; disaggregated modes use {pre} prefill + {inst - pre} decode.")
+    for col in meta.get("columns", []):
+        lines.append(f"  - **{col['label']}**: `tetriinfer serve --mode {col['mode']} {' '.join(col['serve_args'])}`")
+    lines += ["", "## Request rates", ""]
+    if meta.get("rate_mode") == "auto":
+        lines.append(
+            f"`--rate auto`: closed-loop probe on the simulated colocated column ({meta.get('probe_requests')} "
+            f"requests, {meta.get('probe_concurrency')} in flight), then {meta.get('arrival')} arrivals at "
+            + " / ".join(f"{f * 100:.0f}%" for f in meta.get("rate_fractions", [])) + " of it.")
+    else:
+        lines.append("Fixed rate given on the command line.")
+    lines += ["", "| workload | probed sustainable req/s | run req/s | requests |", "|---|---:|---:|---:|"]
+    for wl, r in meta.get("rates", {}).items():
+        probed = r.get("probed_rps")
+        lines.append(f"| {wl} | {'-' if probed is None else f'{probed:.3f}'} | {r['rate_rps']:.3f} | "
+                     f"{r['requests']} |")
+    lines += ["", "## Paper-style summary (change vs colocated)", "", paper_table(result), "",
+              "TTFT and JCT are means; resource = summed step seconds of all instances; perf/$ = (1 + JCT "
+              "reduction) / (resource ratio)."]
+    table = floor_table(result)
+    if table:
+        lines += ["", "## Floor: each request alone on one instance", "", table]
+    for wl in result["workloads"]:
+        lines += ["", f"## {wl}", "", meta.get("workloads", {}).get(wl, {}).get("summary_line", ""), "",
+                  workload_table(result, wl)]
+        extra = meta.get("details", {}).get(wl, {})
+        notes = [f"{label}: {d['local_prefills']} local prefills, {d['kept_decodes']} kept decodes, "
+                 f"{len(d['flips'])} flips" for label, d in extra.items()
+                 if d.get("local_prefills") or d.get("kept_decodes") or d.get("flips")]
+        if notes:
+            lines += ["", "; ".join(notes) + "."]
+    lines += plot_section(plots, relative_to)
+    return "\n".join(lines) + "\n"
