@@ -231,6 +231,12 @@ def test_closed_loop_keeps_at_most_c_in_flight() -> None:
     assert peak == 3
 
 
+def test_settings_the_simulator_does_not_model_are_refused() -> None:
+    for over in (dict(predictor="/some/predictor"), dict(kv_transfer="chunk"), dict(fault_drop_p=0.1)):
+        with pytest.raises(ValueError, match="not simulated|simulated"):
+            sim_config("tetriinfer", **over)
+
+
 def test_requests_too_long_for_the_model_are_rejected_not_sent() -> None:
     reqs = (WorkloadRequest("ok", 0.0, 100, 10), WorkloadRequest("long", 0.0, 3000, 10, rejected=True, reject_reason="too long"))
     wl = Workload("caps", reqs, "test", "trace", None, 0)
@@ -362,3 +368,20 @@ def test_simulator_never_imports_torch_or_sockets() -> None:
                                        check=True).stdout.replace("'", '"'))
     for bad in ("torch", "zmq", "fastapi", "uvicorn", "ray", "transformers"):
         assert bad not in loaded, bad
+
+
+def test_a_request_alone_takes_exactly_its_steps_costs() -> None:
+    """Colocated, one request: TTFT = front-end delay + the prefill step; then one batch-1 decode step per
+    token. Disaggregated: the decode side adds the KV transfer over the link (blocks x block size x bytes)."""
+    wl = Workload("one", (WorkloadRequest("r", 0.0, 128, 4),), "test", "trace", None, 0)
+    for delay in (0.0, 0.05):
+        rec = SimCluster(replace(sim_config("colocated"), frontend_delay_s=delay), COST).run(wl).records[0]
+        assert rec.first_token_s == pytest.approx(delay + 0.06)
+        assert rec.chunk_times_s[-1] == pytest.approx(delay + 0.06 + 3 * 0.011)
+    cfg = replace(sim_config("distserve"), link_bandwidth="8Gbps", link_latency="1ms")  # 1e9 bytes/s
+    res = SimCluster(cfg, COST).run(wl)
+    rec = res.records[0]
+    kv = 8 * 16 * 8192  # 128 prompt tokens = 8 blocks of 16 tokens
+    assert res.transfer_bytes == kv
+    assert rec.first_token_s == pytest.approx(0.06)
+    assert rec.chunk_times_s[1] == pytest.approx(0.06 + 0.001 + kv / 1e9 + 0.001 + 0.011)  # handoff, KV, decode

@@ -76,7 +76,8 @@ def _side_by_side(args: argparse.Namespace) -> int:
         prefill_instances=args.prefill_instances, max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens, arrival=args.arrival, burstiness_cv=args.burstiness_cv,
         length_source=args.length_source, seed=args.seed, link_bandwidth=args.link_bandwidth,
-        link_latency=args.link_latency, predictor_accuracy=args.predictor_accuracy, floor=not args.no_floor,
+        link_latency=args.link_latency, predictor_accuracy=args.predictor_accuracy,
+        frontend_delay_s=args.frontend_delay_ms / 1e3, floor=not args.no_floor,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e), progress=not args.no_progress,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -138,6 +139,8 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("--link-latency", default="0")
     p.add_argument("--predictor-accuracy", type=float, default=1.0,
                    help="with --serve-arg '--predictor oracle': share of exact buckets (the rest one bucket off)")
+    p.add_argument("--frontend-delay-ms", type=float, default=0.0,
+                   help="per request, arrival -> routed (HTTP, tokenization, messaging of a real front end)")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="MS")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS")

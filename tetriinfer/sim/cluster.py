@@ -67,6 +67,7 @@ class SimConfig:
     link_latency: str | float = 0.0
     predictor_accuracy: float = 1.0
     switch_s: float = 0.01
+    frontend_delay_s: float = 0.0  # arrival -> routed: HTTP, tokenization, messaging in the real front end
     max_concurrency: int | None = None
     max_sim_s: float = 7 * 24 * 3600.0
 
@@ -79,10 +80,18 @@ class SimConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 <= self.predictor_accuracy <= 1.0:
             raise ValueError(f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
-        if self.switch_s < 0:
-            raise ValueError(f"switch_s must be >= 0, got {self.switch_s}")
+        if self.switch_s < 0 or self.frontend_delay_s < 0:
+            raise ValueError(f"switch_s and frontend_delay_s must be >= 0, got {self.switch_s}, {self.frontend_delay_s}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        c = self.cluster
+        if c.role_policies().predictor not in ("none", "oracle"):
+            raise ValueError("a trained predictor is not simulated: use '--predictor oracle' with --predictor-accuracy "
+                             "(its measured bucket accuracy)")
+        if c.kv_transfer != "request":
+            raise ValueError("only per-request KV transfer (--kv-transfer request) is simulated")
+        if c.fault_drop_p or c.fault_delay_p or c.fault_corrupt_p:
+            raise ValueError("fault injection is not simulated")
 
     def policies(self, index: int) -> InstancePolicies:
         c = self.cluster
@@ -219,6 +228,12 @@ class SimCluster:
         t.record.send_s = now
         self._in_flight += 1
         self.policy.add(rid, now, t.wreq.prompt_tokens)
+        if self.config.frontend_delay_s > 0:
+            self.loop.after(self.config.frontend_delay_s, lambda: self._enqueue(rid))
+        else:
+            self._enqueue(rid)
+
+    def _enqueue(self, rid: str) -> None:
         self._unrouted.append(rid)
         self._route_pending()
 

@@ -67,6 +67,7 @@ class SimSideBySideConfig:
     link_bandwidth: str | float = "200Gbps"
     link_latency: str | float = 0.0
     predictor_accuracy: float = 1.0
+    frontend_delay_s: float = 0.0
     floor: bool = True
     slo: SLO = field(default_factory=SLO)
     progress: bool = True
@@ -121,7 +122,7 @@ class SimSideBySide:
         c = self.config
         return SimConfig(cluster, num_kv_blocks=c.num_kv_blocks, kv_bytes_per_token=c.kv_bytes_per_token,
                          max_model_len=c.max_model_len, link_bandwidth=c.link_bandwidth, link_latency=c.link_latency,
-                         predictor_accuracy=c.predictor_accuracy, **over)
+                         predictor_accuracy=c.predictor_accuracy, frontend_delay_s=c.frontend_delay_s, **over)
 
     def workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:
         c = self.config
@@ -205,7 +206,7 @@ class SimSideBySide:
             "num_kv_blocks": c.num_kv_blocks, "kv_bytes_per_token": c.kv_bytes_per_token,
             "max_model_len": c.max_model_len, "link_bandwidth": str(c.link_bandwidth),
             "link_latency": str(c.link_latency), "predictor_accuracy": c.predictor_accuracy,
-            "caps": {"max_prompt_tokens": c.max_prompt_tokens, "max_output_tokens": c.max_output_tokens},
+            "frontend_delay_s": c.frontend_delay_s, "caps": {"max_prompt_tokens": c.max_prompt_tokens, "max_output_tokens": c.max_output_tokens},
             "columns": [{"label": col.label, "mode": col.mode, "serve_args": list(col.serve_args)}
                         for col in c.columns],
             "rate_mode": "auto" if c.rate is None else "fixed", "rate_fractions": list(c.rate_fractions),
