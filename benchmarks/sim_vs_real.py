@@ -114,7 +114,8 @@ def markdown(rows: list[dict[str, Any]], sources: list[str], cost: ProfileCostMo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--real", action="append", required=True, help="a bench side-by-side JSON (repeatable)")
-    ap.add_argument("--profile", required=True, help="`tetriinfer profile` JSON of the same engine")
+    ap.add_argument("--profile", action="append", required=True,
+                    help="`tetriinfer profile` JSON of the same engine (repeatable: their lower envelope)")
     ap.add_argument("--model", default=None, help="model folder (default: the tiny llama)")
     ap.add_argument("--dtype-bytes", type=int, default=4)
     ap.add_argument("--step-overhead-ms", type=float, default=0.0)

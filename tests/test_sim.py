@@ -84,9 +84,24 @@ def test_profile_cost_model_interpolates_measured_points() -> None:
     with_overhead = ProfileCostModel.from_profile(PROFILE, step_overhead_s=0.002)
     assert with_overhead.step_seconds(dec) == pytest.approx(0.0174)
     for bad in ({**PROFILE, "decode": []}, {**PROFILE, "prefill": [{"tokens": 16, "seconds": 0.0}]},
-                {**PROFILE, "prefill": [{"tokens": 64, "seconds": 0.1}, {"tokens": 64, "seconds": 0.2}]}):
+                {**PROFILE, "prefill": [{"tokens": 0, "seconds": 0.1}]}):
         with pytest.raises(ValueError):
             ProfileCostModel.from_profile(bad)
+    repeated = {**PROFILE, "prefill": [{"tokens": 64, "seconds": 0.1}, {"tokens": 64, "seconds": 0.2}]}
+    assert ProfileCostModel.from_profile(repeated).prefill == ((64, 0.1),)  # a size measured twice: the faster
+
+
+def test_several_profiles_give_their_lower_envelope() -> None:
+    """Noise only adds time: the fastest measurement of each size wins, and no size costs more than a larger one."""
+    a = {"prefill": [{"tokens": 16, "seconds": 0.02}, {"tokens": 64, "seconds": 0.05}],
+         "decode": [{"batch": 1, "seconds": 0.010}, {"batch": 2, "seconds": 0.016}, {"batch": 4, "seconds": 0.015}]}
+    b = {"prefill": [{"tokens": 16, "seconds": 0.03}, {"tokens": 64, "seconds": 0.04}, {"tokens": 128, "seconds": 0.08}],
+         "decode": [{"batch": 1, "seconds": 0.012}, {"batch": 2, "seconds": 0.013}, {"batch": 4, "seconds": 0.018}]}
+    cost = ProfileCostModel.from_profile([a, b])
+    assert cost.prefill == ((16, 0.02), (64, 0.04), (128, 0.08))
+    assert cost.decode == ((1, 0.010), (2, 0.013), (4, 0.015))
+    one = ProfileCostModel.from_profile({**a, "decode": a["decode"]})
+    assert one.decode == ((1, 0.010), (2, 0.015), (4, 0.015))  # 2 capped by 4's time
 
 
 def test_roofline_matches_hand_arithmetic() -> None:

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COST_HELP = ("profile:FILE (a `tetriinfer profile` JSON measured on the engine) or roofline:HW (analytic; HW one of "
+COST_HELP = ("profile:FILE[,FILE...] (`tetriinfer profile` JSONs measured on the engine; several: their lower "
+             "envelope) or roofline:HW (analytic; HW one of "
              "v100-32g, a100-40g, a100-80g, h100-80g, h200-141g)")
 
 
@@ -29,10 +30,14 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, Any, int]:
     cfg = model_config(model)
     overhead = args.step_overhead_ms / 1e3 if args.step_overhead_ms >= 0 else None
     if kind == "profile":
-        if not value or not Path(value).is_file():
-            raise FileNotFoundError(f"--cost profile:FILE: no profile at {value!r} (make one with `tetriinfer profile`)")
+        files = [f for f in value.split(",") if f]
+        missing = [f for f in files if not Path(f).is_file()]
+        if not files or missing:
+            raise FileNotFoundError(f"--cost profile:FILE[,FILE...]: no profile at {missing or value!r} (make one "
+                                    "with `tetriinfer profile`)")
         dtype_bytes = args.dtype_bytes or 4
-        return ProfileCostModel.from_profile(value, step_overhead_s=overhead or 0.0), cfg, kv_bytes_per_token(cfg, dtype_bytes)
+        cost = ProfileCostModel.from_profile(list(files), step_overhead_s=overhead or 0.0)
+        return cost, cfg, kv_bytes_per_token(cfg, dtype_bytes)
     if kind == "roofline":
         if value not in HARDWARE_PRESETS:
             raise ValueError(f"--cost roofline:HW: unknown hardware {value!r}; one of {', '.join(HARDWARE_PRESETS)}")

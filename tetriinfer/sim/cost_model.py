@@ -48,6 +48,16 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def _envelope(points: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """Sorted (size, seconds) with each time capped by every larger size's time (non-decreasing)."""
+    out: list[tuple[int, float]] = []
+    cap = float("inf")
+    for x in sorted(points, reverse=True):
+        cap = min(cap, points[x])
+        out.append((x, cap))
+    return tuple(reversed(out))
+
+
 @dataclass(frozen=True)
 class ProfileCostModel:
     """``prefill``: (tokens per forward, seconds) points; ``decode``: (batch, seconds) points."""
@@ -69,15 +79,30 @@ class ProfileCostModel:
             raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
 
     @classmethod
-    def from_profile(cls, profile: dict[str, Any] | str | Path, step_overhead_s: float = 0.0) -> ProfileCostModel:
-        """From a ``tetriinfer profile`` JSON (its ``prefill``/``decode`` lists) or the parsed dict."""
-        source = ""
-        if not isinstance(profile, dict):
-            source = str(profile)
-            profile = json.loads(Path(profile).read_text())
-        pre = sorted((int(r["tokens"]), float(r["seconds"])) for r in profile["prefill"])
-        dec = sorted((int(r["batch"]), float(r["seconds"])) for r in profile["decode"])
-        return cls(tuple(pre), tuple(dec), step_overhead_s, source or str(profile.get("model", "")))
+    def from_profile(cls, profile: dict[str, Any] | str | Path | list[dict[str, Any] | str | Path],
+                     step_overhead_s: float = 0.0) -> ProfileCostModel:
+        """From ``tetriinfer profile`` JSON (its ``prefill``/``decode`` lists), parsed dicts, or several of them.
+
+        Timing noise on a shared machine only ever adds time, so the model takes the lower envelope: the fastest
+        measurement of each size over all profiles, then, since a larger step never costs less, each size's time
+        capped by every larger size's (a non-decreasing curve)."""
+        profiles = profile if isinstance(profile, list) else [profile]
+        pre: dict[int, float] = {}
+        dec: dict[int, float] = {}
+        sources = []
+        for prof in profiles:
+            if not isinstance(prof, dict):
+                sources.append(str(prof))
+                prof = json.loads(Path(prof).read_text())
+            else:
+                sources.append(str(prof.get("model", "")))
+            for r in prof["prefill"]:
+                n = int(r["tokens"])
+                pre[n] = min(pre.get(n, float("inf")), float(r["seconds"]))
+            for r in prof["decode"]:
+                b = int(r["batch"])
+                dec[b] = min(dec.get(b, float("inf")), float(r["seconds"]))
+        return cls(_envelope(pre), _envelope(dec), step_overhead_s, ", ".join(sources))
 
     def prefill_seconds(self, num_tokens: int) -> float:
         return _interp([float(x) for x, _ in self.prefill], [y for _, y in self.prefill], float(num_tokens))
