@@ -82,3 +82,27 @@ def test_disabled_and_validation() -> None:
         FlipConfig(threshold=0.0)
     with pytest.raises(ValueError, match="min_per_role"):
         FlipConfig(min_per_role=0)
+
+
+def test_decode_load_kv_judges_decode_instances_by_memory_not_busy_time() -> None:
+    """A decode instance stepping a few short requests is busy 100% of the time with 5% of its KV used. Under the
+    default measure it looks loaded, so an idle prefill instance is flipped to decode even while prompts are the
+    bottleneck; with ``decode_load="kv"`` it looks idle: no prefill instance goes, and when the prefill tier is busy
+    that decode instance (not the last one) is the one that flips."""
+    def reports(p0_util: float) -> list[LoadReport]:
+        return [rep("p0", Role.PREFILL, p0_util), rep("p1", Role.PREFILL, 0.9),
+                rep("d0", Role.DECODE, 1.0, running=3, used=5), rep("d1", Role.DECODE, 1.0, running=3, used=5)]
+
+    busy = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0))
+    kv = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0, decode_load="kv"))
+    for t in (0.0, 1.0):
+        got_busy, got_kv = busy.observe(reports(0.0), now=t), kv.observe(reports(0.0), now=t)
+    assert [(c.instance_id, c.to_role) for c in got_busy] == [("p0", Role.DECODE)]  # idle prefill -> decode
+    assert got_kv == []  # prefill tier mean load 0.45 < 0.5: not loaded; decode not loaded either
+    assert kv.load(reports(0.0)[2]) == pytest.approx(0.05) and busy.load(reports(0.0)[2]) == 1.0
+    kv2 = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0, decode_load="kv"))
+    for t in (0.0, 1.0):
+        got = kv2.observe(reports(0.9), now=t)  # both prefill instances busy
+    assert [(c.instance_id, c.to_role) for c in got] == [("d0", Role.PREFILL)]
+    with pytest.raises(ValueError):
+        FlipConfig(decode_load="util")

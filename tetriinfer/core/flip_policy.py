@@ -13,6 +13,12 @@ Per instance: ``ACTIVE(role) -> DRAINING -> FLIPPING -> ACTIVE(other role)``.
   command is emitted and it becomes FLIPPING.
 - ``on_switched(instance_id, now)``: the instance switched role; it is ACTIVE in its new role.
 
+What "load" means (``decode_load``): by default ``LoadReport.load`` = max(busy fraction, KV usage) for every
+instance. A decode instance is busy whenever it holds any request (it steps back to back), so under that measure
+decode looks loaded at any batch and an idle prefill instance gets flipped to decode even while prompts are the
+bottleneck. ``decode_load="kv"`` judges decode instances by KV usage only (memory is what bounds a decode
+instance on an accelerator); prefill instances keep the busy fraction.
+
 Invariants: never flips an instance if fewer than ``min_per_role`` ACTIVE instances of its role would
 remain (never the last one); at most ``max_concurrent`` flips in progress; an instance flipped back to
 ACTIVE is not chosen again for ``cooldown_s``; every flip is recorded with its ``now`` timestamps.
@@ -37,8 +43,11 @@ class FlipConfig:
     cooldown_s: float = 5.0
     max_concurrent: int = 1
     min_per_role: int = 1
+    decode_load: str = "busy"  # busy: max(busy fraction, KV usage); kv: KV usage only (see the module docstring)
 
     def __post_init__(self) -> None:
+        if self.decode_load not in ("busy", "kv"):
+            raise ValueError(f"decode_load must be 'busy' or 'kv', got {self.decode_load!r}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"flip threshold must be in (0, 1], got {self.threshold}")
         if not 0.0 <= self.busy_threshold <= 1.0:
@@ -106,6 +115,13 @@ class FlipPolicy:
     def state(self, instance_id: str) -> InstanceState:
         return self._state.get(instance_id, InstanceState.ACTIVE)
 
+    def load(self, report: LoadReport) -> float:
+        """The load the policy judges an instance by, in [0, 1] (``FlipConfig.decode_load``)."""
+        role = self._role.get(report.instance_id, report.role)
+        if role is Role.DECODE and self.config.decode_load == "kv":
+            return report.kv_usage
+        return report.load
+
     def num_active(self, role: Role) -> int:
         return sum(1 for i, r in self._role.items() if r is role and self._state[i] is InstanceState.ACTIVE)
 
@@ -135,7 +151,7 @@ class FlipPolicy:
                 commands.append(FlipCommand(FlipAction.SWITCH, iid, role, role.other, now))
         # Low-load timers of ACTIVE instances.
         for iid, rep in by_id.items():
-            if self._state[iid] is InstanceState.ACTIVE and rep.load < cfg.threshold:
+            if self._state[iid] is InstanceState.ACTIVE and self.load(rep) < cfg.threshold:
                 self._low_since.setdefault(iid, now)
             else:
                 self._low_since.pop(iid, None)
@@ -156,7 +172,7 @@ class FlipPolicy:
 
     def _other_role_loaded(self, role: Role, by_id: dict[str, LoadReport]) -> bool:
         loads = [
-            rep.load for iid, rep in by_id.items()
+            self.load(rep) for iid, rep in by_id.items()
             if self._role[iid] is role.other and self._state[iid] is InstanceState.ACTIVE
         ]
         return bool(loads) and sum(loads) / len(loads) >= self.config.busy_threshold

@@ -98,7 +98,8 @@ class ClusterEngineClient:
             enabled=config.local_prefill and config.disaggregated, interference_weight=config.local_prefill_weight,
         ))
         self.flip_policy = FlipPolicy(
-            FlipConfig(enabled=config.flip, threshold=config.flip_threshold, window_s=config.flip_window_s)
+            FlipConfig(enabled=config.flip, threshold=config.flip_threshold, window_s=config.flip_window_s,
+                       decode_load=config.flip_decode_load)
         )
         self.flip_log: list[dict[str, Any]] = []
         self.transfer_log = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}

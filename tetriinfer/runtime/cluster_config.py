@@ -75,6 +75,7 @@ class ClusterConfig:
     flip: bool = False
     flip_threshold: float = 0.1
     flip_window_s: float = 2.0
+    flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv
     report_interval_s: float = 0.1
     cores_per_instance: int = 1
     pin_cores: bool = True
@@ -94,6 +95,8 @@ class ClusterConfig:
             raise ValueError("cores_per_instance must be >= 1")
         if not 0 < self.flip_threshold < 1:
             raise ValueError("flip_threshold must be in (0, 1)")
+        if self.flip_decode_load not in ("busy", "kv"):
+            raise ValueError(f"flip_decode_load must be 'busy' or 'kv', got {self.flip_decode_load!r}")
         if self.report_interval_s <= 0:
             raise ValueError("report_interval_s must be > 0")
         if self.local_prefill_weight < 0:
