@@ -55,6 +55,15 @@ def main() -> None:
         "2P+2D --flip --flip-decode-load kv": ClusterConfig(
             mode="tetriinfer", prefill_instances=2, decode_instances=2, flip=True, flip_window_s=args.flip_window,
             flip_decode_load="kv", **common),
+        "2P+2D --flip --flip-decode-load inflation": ClusterConfig(
+            mode="tetriinfer", prefill_instances=2, decode_instances=2, flip=True, flip_window_s=args.flip_window,
+            flip_decode_load="inflation", **common),
+        "2P+2D --flip --flip-decode-load inflation --flip-busy-threshold 0.3": ClusterConfig(
+            mode="tetriinfer", prefill_instances=2, decode_instances=2, flip=True, flip_window_s=args.flip_window,
+            flip_decode_load="inflation", flip_busy_threshold=0.3, **common),
+        "2P+2D --flip --flip-decode-load inflation --flip-busy-threshold 0.3 --flip-idle-by mean": ClusterConfig(
+            mode="tetriinfer", prefill_instances=2, decode_instances=2, flip=True, flip_window_s=args.flip_window,
+            flip_decode_load="inflation", flip_busy_threshold=0.3, flip_idle_by="mean", **common),
         "4 colocated": ClusterConfig(mode="colocated", instances=4, model=args.model),
     }
     rows = []
@@ -84,11 +93,11 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['column']} | {r['a_ttft']:.3f} | {r['a_jct']:.2f} | {r['b_ttft']:.3f} | {r['b_jct']:.2f} | "
                      f"{r['resource_s']:.0f} | {r['flips']} |")
-    for flip in rows[1:3]:
+    for flip in rows[1:-1]:
         lines += ["", f"`{flip['column']}` vs static 2P+2D: phase 1 TTFT {flip['a_ttft'] / base['a_ttft'] - 1:+.0%}, "
                   f"JCT {flip['a_jct'] / base['a_jct'] - 1:+.0%}; phase 2 TTFT {flip['b_ttft'] / base['b_ttft'] - 1:+.0%}, "
                   f"JCT {flip['b_jct'] / base['b_jct'] - 1:+.0%}."]
-    for label in list(columns)[1:3]:
+    for label in list(columns)[1:-1]:
         lines += ["", f"Flips of `{label}`:", "",
                   "| instance | from | to | decided s | drained s | switched s |", "|---|---|---|---:|---:|---:|"]
         for f in flips_out[label]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
@@ -106,3 +108,53 @@ def test_decode_load_kv_judges_decode_instances_by_memory_not_busy_time() -> Non
     assert [(c.instance_id, c.to_role) for c in got] == [("d0", Role.PREFILL)]
     with pytest.raises(ValueError):
         FlipConfig(decode_load="util")
+
+
+def test_step_inflation_measures_how_much_batching_slows_each_step() -> None:
+    from tetriinfer.core.step_inflation import StepInflation
+
+    est = StepInflation()
+    est.observe(8, 0.02)
+    assert est.take() == 0.0  # no batch-1 step seen yet: unknown
+    est.observe(1, 0.010)
+    est.observe(1, 0.012)  # t1 is the fastest batch-1 step
+    est.observe(4, 0.011)
+    assert est.t1 == 0.010 and est.take() == pytest.approx(1 - 0.010 / ((0.010 + 0.012 + 0.011) / 3))
+    assert est.take() == 0.0  # empty window
+    est.observe(32, 0.040)
+    est.observe(32, 0.040, batch1_seconds=0.008)  # an executor that can cost batch 1 refines t1
+    assert est.take() == pytest.approx(1 - 0.008 / 0.040)
+    est.observe(2, 0.001)  # faster than t1 (noise): clamped at 0
+    assert est.take() == 0.0
+
+
+def test_decode_load_inflation_uses_kv_or_step_inflation() -> None:
+    fp = FlipPolicy(FlipConfig(decode_load="inflation"))
+    d = LoadReport("d0", Role.DECODE, utilization=1.0, num_running=30, num_free_blocks=90, num_used_blocks=10,
+                   step_inflation=0.7)
+    assert fp.load(d) == pytest.approx(0.7)
+    assert fp.load(replace(d, step_inflation=0.02)) == pytest.approx(0.1)  # KV usage
+    assert fp.load(rep("p0", Role.PREFILL, 0.3)) == pytest.approx(0.3)  # prefill: busy fraction as before
+    with pytest.raises(ValueError):
+        LoadReport("x", Role.DECODE, step_inflation=1.5)
+
+
+def test_idle_by_mean_tolerates_spikes_that_every_report_mode_does_not() -> None:
+    """A prefill instance at ~5% mean load that spikes to 30% in one report of every five: never idle for a whole
+    window under the default rule, idle on average under ``idle_by="mean"`` (and only after a full window)."""
+    def reports(t: int) -> list[LoadReport]:
+        return [rep("p0", Role.PREFILL, 0.3 if t % 5 == 0 else 0.0), rep("p1", Role.PREFILL, 0.9),
+                rep("d0", Role.DECODE, 0.95, running=5, used=95)]
+
+    every = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0))
+    mean = FlipPolicy(FlipConfig(threshold=0.1, window_s=1.0, idle_by="mean"))
+    flips: dict[str, list] = {"every": [], "mean": []}
+    for t in range(0, 30):  # reports every 0.1 s for 3 s
+        flips["every"] += every.observe(reports(t), now=t / 10)
+        flips["mean"] += mean.observe(reports(t), now=t / 10)
+    assert flips["every"] == []
+    drains = [c for c in flips["mean"] if c.action is FlipAction.DRAIN]
+    assert [(c.instance_id, c.to_role) for c in drains] == [("p0", Role.DECODE)]
+    assert drains[0].time >= 1.0  # not before a whole window was seen
+    with pytest.raises(ValueError):
+        FlipConfig(idle_by="median")

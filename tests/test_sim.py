@@ -322,7 +322,15 @@ def test_the_simulator_schedules_exactly_what_the_runtime_instance_loop_does(mod
                            max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=8)
     cls = SimDecode if role == "decode" else SimColocated
     inst = cls("i0", KVCacheManager(120, 16), Zero(), Host(), pol)  # type: ignore[arg-type]
-    inst.cost = type("Rec", (), {"step_seconds": lambda self, out: (sim_runner.outputs.append(out), 0.0)[1]})()
+    next_step = inst.next_step
+
+    def recording_next_step() -> SchedulerOutput | None:  # what the simulated instance executes, step by step
+        out = next_step()
+        if out is not None:
+            sim_runner.outputs.append(out)
+        return out
+
+    inst.next_step = recording_next_step  # type: ignore[method-assign]
     from tetriinfer.core.request import Request
 
     for rid, p, o in specs:
@@ -400,3 +408,26 @@ def test_a_request_alone_takes_exactly_its_steps_costs() -> None:
     assert res.transfer_bytes == kv
     assert rec.first_token_s == pytest.approx(0.06)
     assert rec.chunk_times_s[1] == pytest.approx(0.06 + 0.001 + kv / 1e9 + 0.001 + 0.011)  # handoff, KV, decode
+
+
+def test_simulated_decode_instance_reports_step_inflation() -> None:
+    """16 requests decoding together: each step costs the profile's batch-16 time, a batch-1 step its batch-1
+    time, so the reported inflation is 1 - t1 / t16; the flip policy's ``inflation`` measure reads it."""
+    from tetriinfer.core.kv_cache_manager import KVCacheManager
+    from tetriinfer.core.request import Request
+    from tetriinfer.sim.instances import InstancePolicies, SimDecode
+
+    class Host:
+        loop = EventLoop()
+
+        def on_tokens(self, new_tokens: dict, finished: tuple) -> None: ...
+
+    inst = SimDecode("d0", KVCacheManager(400, 16), COST, Host(), InstancePolicies())  # type: ignore[arg-type]
+    for i in range(16):
+        inst.add_local(Request(f"r{i}", [2] * 16, SamplingParams(max_tokens=200, ignore_eos=True)))
+    Host.loop.run(until=0.5)  # the local prefill, then decode steps
+    inst.report(0.5, 1.0)  # starts a fresh window
+    Host.loop.run(until=1.0)
+    rep = inst.report(1.0, 1.0)
+    assert len(inst.scheduler.running) == 16
+    assert rep.step_inflation == pytest.approx(1 - COST.decode_seconds(1) / COST.decode_seconds(16), rel=1e-6)

@@ -16,8 +16,15 @@ Per instance: ``ACTIVE(role) -> DRAINING -> FLIPPING -> ACTIVE(other role)``.
 What "load" means (``decode_load``): by default ``LoadReport.load`` = max(busy fraction, KV usage) for every
 instance. A decode instance is busy whenever it holds any request (it steps back to back), so under that measure
 decode looks loaded at any batch and an idle prefill instance gets flipped to decode even while prompts are the
-bottleneck. ``decode_load="kv"`` judges decode instances by KV usage only (memory is what bounds a decode
-instance on an accelerator); prefill instances keep the busy fraction.
+bottleneck. ``decode_load="kv"`` judges decode instances by KV usage only (memory bounds a decode instance on an
+accelerator, but a compute-bound one can be saturated well below full KV); ``decode_load="inflation"`` by
+max(KV usage, ``LoadReport.step_inflation``): how much batching slows each token (``core.step_inflation``).
+Prefill instances keep the busy fraction in every mode.
+
+"Idle for a window" (``idle_by``): by default the load must stay below ``threshold`` in every report of
+``window_s``; at 100 ms reports a prefill instance serving a trickle of short prompts spikes above it with each
+one and never qualifies. ``idle_by="mean"``: the mean load over the last ``window_s`` (the instance ACTIVE in its
+role for at least that long) is below ``threshold``.
 
 Invariants: never flips an instance if fewer than ``min_per_role`` ACTIVE instances of its role would
 remain (never the last one); at most ``max_concurrent`` flips in progress; an instance flipped back to
@@ -33,6 +40,8 @@ from dataclasses import dataclass
 
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 
+DECODE_LOADS = ("busy", "kv", "inflation")
+
 
 @dataclass(frozen=True)
 class FlipConfig:
@@ -43,11 +52,14 @@ class FlipConfig:
     cooldown_s: float = 5.0
     max_concurrent: int = 1
     min_per_role: int = 1
-    decode_load: str = "busy"  # busy: max(busy fraction, KV usage); kv: KV usage only (see the module docstring)
+    decode_load: str = "busy"  # busy | kv | inflation (see the module docstring)
+    idle_by: str = "every"  # every: below threshold in every report of the window; mean: on average over it
 
     def __post_init__(self) -> None:
-        if self.decode_load not in ("busy", "kv"):
-            raise ValueError(f"decode_load must be 'busy' or 'kv', got {self.decode_load!r}")
+        if self.idle_by not in ("every", "mean"):
+            raise ValueError(f"idle_by must be 'every' or 'mean', got {self.idle_by!r}")
+        if self.decode_load not in DECODE_LOADS:
+            raise ValueError(f"decode_load must be one of {', '.join(DECODE_LOADS)}, got {self.decode_load!r}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"flip threshold must be in (0, 1], got {self.threshold}")
         if not 0.0 <= self.busy_threshold <= 1.0:
@@ -104,6 +116,8 @@ class FlipPolicy:
         self._role: dict[str, Role] = {}
         self._state: dict[str, InstanceState] = {}
         self._low_since: dict[str, float] = {}
+        self._history: dict[str, list[tuple[float, float]]] = {}  # idle_by="mean": (time, load) within the window
+        self._seen_since: dict[str, float] = {}  # idle_by="mean": ACTIVE in its current role since
         self._cooldown_until: dict[str, float] = {}
         self._decided_at: dict[str, float] = {}
         self._drained_at: dict[str, float] = {}
@@ -120,6 +134,8 @@ class FlipPolicy:
         role = self._role.get(report.instance_id, report.role)
         if role is Role.DECODE and self.config.decode_load == "kv":
             return report.kv_usage
+        if role is Role.DECODE and self.config.decode_load == "inflation":
+            return max(report.kv_usage, report.step_inflation)
         return report.load
 
     def num_active(self, role: Role) -> int:
@@ -151,7 +167,22 @@ class FlipPolicy:
                 commands.append(FlipCommand(FlipAction.SWITCH, iid, role, role.other, now))
         # Low-load timers of ACTIVE instances.
         for iid, rep in by_id.items():
-            if self._state[iid] is InstanceState.ACTIVE and self.load(rep) < cfg.threshold:
+            if self._state[iid] is not InstanceState.ACTIVE:
+                self._low_since.pop(iid, None)
+                self._history.pop(iid, None)
+                continue
+            load = self.load(rep)
+            if cfg.idle_by == "mean":
+                hist = self._history.setdefault(iid, [])
+                hist.append((now, load))
+                while hist and hist[0][0] < now - cfg.window_s:
+                    hist.pop(0)
+                seen_since = self._seen_since.setdefault(iid, now)
+                if now - seen_since >= cfg.window_s and sum(x for _, x in hist) / len(hist) < cfg.threshold:
+                    self._low_since[iid] = now - cfg.window_s  # idle on average over a whole window
+                else:
+                    self._low_since.pop(iid, None)
+            elif load < cfg.threshold:
                 self._low_since.setdefault(iid, now)
             else:
                 self._low_since.pop(iid, None)
@@ -202,6 +233,8 @@ class FlipPolicy:
         self._state[instance_id] = InstanceState.ACTIVE
         self._cooldown_until[instance_id] = now + self.config.cooldown_s
         self._low_since.pop(instance_id, None)
+        self._history.pop(instance_id, None)
+        self._seen_since[instance_id] = now
         record = FlipRecord(
             instance_id, old, old.other, self._decided_at.pop(instance_id), self._drained_at.pop(instance_id), now
         )
@@ -210,6 +243,7 @@ class FlipPolicy:
 
     def remove(self, instance_id: str) -> None:
         """Forget an instance (removed from the cluster)."""
-        for table in (self._role, self._state, self._low_since, self._cooldown_until, self._decided_at,
+        for table in (self._role, self._state, self._low_since, self._history, self._seen_since, self._cooldown_until,
+                      self._decided_at,
                       self._drained_at):
             table.pop(instance_id, None)

@@ -65,6 +65,7 @@ class LoadReport:
     num_light_decodes: int = 0
     utilization: float = 0.0
     num_prefill_tokens: int = 0  # prompt tokens waiting to be prefilled here (decode: local prefills)
+    step_inflation: float = 0.0  # decode: 1 - batch-1 step time / mean step time (core.step_inflation), in [0, 1]
 
     def __post_init__(self) -> None:
         for name in ("num_queued", "num_running", "num_free_blocks", "num_used_blocks", "tokens_in_flight",
@@ -75,6 +76,8 @@ class LoadReport:
             raise ValueError(f"load report {self.instance_id!r}: block_size must be >= 1")
         if not 0.0 <= self.utilization <= 1.0:
             raise ValueError(f"load report {self.instance_id!r}: utilization must be in [0, 1]")
+        if not 0.0 <= self.step_inflation <= 1.0:
+            raise ValueError(f"load report {self.instance_id!r}: step_inflation must be in [0, 1]")
 
     @property
     def num_blocks(self) -> int:

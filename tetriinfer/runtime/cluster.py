@@ -99,7 +99,8 @@ class ClusterEngineClient:
         ))
         self.flip_policy = FlipPolicy(
             FlipConfig(enabled=config.flip, threshold=config.flip_threshold, window_s=config.flip_window_s,
-                       decode_load=config.flip_decode_load)
+                       decode_load=config.flip_decode_load, busy_threshold=config.flip_busy_threshold,
+                       idle_by=config.flip_idle_by)
         )
         self.flip_log: list[dict[str, Any]] = []
         self.transfer_log = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}

@@ -75,7 +75,9 @@ class ClusterConfig:
     flip: bool = False
     flip_threshold: float = 0.1
     flip_window_s: float = 2.0
-    flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv
+    flip_busy_threshold: float = 0.5  # the other role counts as loaded at this mean load (FlipConfig.busy_threshold)
+    flip_idle_by: str = "every"  # FlipConfig.idle_by: every report of the window below threshold, or its mean
+    flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv | inflation
     report_interval_s: float = 0.1
     cores_per_instance: int = 1
     pin_cores: bool = True
@@ -95,8 +97,12 @@ class ClusterConfig:
             raise ValueError("cores_per_instance must be >= 1")
         if not 0 < self.flip_threshold < 1:
             raise ValueError("flip_threshold must be in (0, 1)")
-        if self.flip_decode_load not in ("busy", "kv"):
-            raise ValueError(f"flip_decode_load must be 'busy' or 'kv', got {self.flip_decode_load!r}")
+        if not 0 <= self.flip_busy_threshold <= 1:
+            raise ValueError(f"flip_busy_threshold must be in [0, 1], got {self.flip_busy_threshold}")
+        if self.flip_idle_by not in ("every", "mean"):
+            raise ValueError(f"flip_idle_by must be 'every' or 'mean', got {self.flip_idle_by!r}")
+        if self.flip_decode_load not in ("busy", "kv", "inflation"):
+            raise ValueError(f"flip_decode_load must be busy, kv or inflation, got {self.flip_decode_load!r}")
         if self.report_interval_s <= 0:
             raise ValueError("report_interval_s must be > 0")
         if self.local_prefill_weight < 0:

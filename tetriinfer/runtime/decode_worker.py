@@ -22,6 +22,7 @@ import torch
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import Request
+from tetriinfer.core.step_inflation import StepInflation
 from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, NewRequest, PrefillDone, TransferStat
 from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, schedule_decode
 
@@ -57,6 +58,7 @@ class DecodeWorker:
         # chunk-wise transfers: first tokens that arrived (PrefillDone) and KV that completed first
         self.first_tokens: dict[str, list[int]] = {}
         self.kv_complete: dict[str, Receiving] = {}
+        self.inflation = StepInflation()  # how much batching slows each step (flip policy's decode load)
 
     # ---- messages ------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -195,7 +197,11 @@ class DecodeWorker:
         if not self.has_work():
             return False
         out = schedule_decode(self.scheduler)
-        apply_decode_step(self.ctx, self.scheduler, out, self.ctx.runner.execute(out))
+        t0 = time.perf_counter()
+        result = self.ctx.runner.execute(out)
+        if out.segments and all(s.num_tokens == 1 for s in out.segments):  # decode-only: feeds step inflation
+            self.inflation.observe(len(out.segments), time.perf_counter() - t0)
+        apply_decode_step(self.ctx, self.scheduler, out, result)
         return not out.is_empty
 
     def abort(self, rid: str) -> None:
@@ -218,6 +224,7 @@ class DecodeWorker:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
         return replace(rep, num_queued=rep.num_queued + len(self.pending) + len(self.local_pending),
                        num_prefill_tokens=rep.num_prefill_tokens
-                       + sum(len(m.prompt_token_ids) for m in self.local_pending))
+                       + sum(len(m.prompt_token_ids) for m in self.local_pending),
+                       step_inflation=self.inflation.take())
 
 

@@ -189,6 +189,7 @@ class WireLoad(msgspec.Struct, tag=True, frozen=True):
     busy_s: float  # cumulative busy seconds (resource usage time)
     steps: int
     num_prefill_tokens: int = 0
+    step_inflation: float = 0.0
 
 
 class PredictorStat(msgspec.Struct, tag=True, frozen=True):

@@ -94,7 +94,7 @@ def wire_load(report: LoadReport, busy_s: float, steps: int) -> WireLoad:
         num_used_blocks=report.num_used_blocks, block_size=report.block_size,
         tokens_in_flight=report.tokens_in_flight, num_heavy_decodes=report.num_heavy_decodes,
         num_light_decodes=report.num_light_decodes, utilization=report.utilization, busy_s=busy_s, steps=steps,
-        num_prefill_tokens=report.num_prefill_tokens,
+        num_prefill_tokens=report.num_prefill_tokens, step_inflation=report.step_inflation,
     )
 
 
@@ -107,5 +107,5 @@ def load_from_wire(w: WireLoad) -> LoadReport:
         num_queued=w.num_queued, num_running=w.num_running, num_free_blocks=w.num_free_blocks,
         num_used_blocks=w.num_used_blocks, block_size=w.block_size, tokens_in_flight=w.tokens_in_flight,
         num_heavy_decodes=w.num_heavy_decodes, num_light_decodes=w.num_light_decodes,
-        utilization=w.utilization, num_prefill_tokens=w.num_prefill_tokens,
+        utilization=w.utilization, num_prefill_tokens=w.num_prefill_tokens, step_inflation=w.step_inflation,
     )

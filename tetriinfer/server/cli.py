@@ -58,9 +58,15 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--flip-threshold", type=float, default=0.1)
     p.add_argument("--flip-window", type=float, default=2.0)
-    p.add_argument("--flip-decode-load", default="busy", choices=["busy", "kv"],
+    p.add_argument("--flip-busy-threshold", type=float, default=0.5,
+                   help="flip only while the other role's mean load is at least this")
+    p.add_argument("--flip-idle-by", default="every", choices=["every", "mean"],
+                   help="an instance is idle for the window when every load report is below --flip-threshold "
+                        "(every) or their mean is (mean)")
+    p.add_argument("--flip-decode-load", default="busy", choices=["busy", "kv", "inflation"],
                    help="what makes a decode instance count as loaded for flips: busy = max(busy fraction, KV usage) "
-                        "(a decode instance holding any request is busy), kv = KV usage only")
+                        "(a decode instance holding any request is busy), kv = KV usage only, inflation = max(KV "
+                        "usage, how much batching slows each step vs batch 1)")
     p.add_argument("--report-interval", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     faults = p.add_argument_group("fault injection (testing; with --kv-backend faulty[:tcp|shm])")
@@ -87,7 +93,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         local_prefill=args.local_prefill, local_prefill_weight=args.local_prefill_weight,
         keep_decode=args.keep_decode, keep_decode_ratio=args.keep_decode_ratio,
         flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
-        flip_decode_load=args.flip_decode_load,
+        flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
+        flip_idle_by=args.flip_idle_by,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )

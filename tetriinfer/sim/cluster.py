@@ -141,7 +141,8 @@ class SimCluster:
         self.policy = GlobalPolicy(LocalPrefillConfig(enabled=c.local_prefill and c.disaggregated,
                                                       interference_weight=c.local_prefill_weight))
         self.flips = FlipPolicy(FlipConfig(enabled=c.flip and c.disaggregated, threshold=c.flip_threshold,
-                                           window_s=c.flip_window_s, decode_load=c.flip_decode_load))
+                                           window_s=c.flip_window_s, decode_load=c.flip_decode_load,
+                                           busy_threshold=c.flip_busy_threshold, idle_by=c.flip_idle_by))
         self.instances: dict[str, SimInstance] = {}
         counts: dict[str, int] = {}
         for index, role in enumerate(c.roles()):

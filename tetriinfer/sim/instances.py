@@ -32,6 +32,7 @@ from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
 from tetriinfer.core.step import SchedulerOutput, StepResult, merge_steps, split_result
+from tetriinfer.core.step_inflation import StepInflation
 from tetriinfer.sim.cost_model import CostModel
 from tetriinfer.sim.events import EventLoop
 
@@ -281,6 +282,7 @@ class SimDecode(SimInstance):
         self.pending: deque[Handoff] = deque()
         self.local_pending: deque[Request] = deque()  # conditional disaggregation: prefilled here
         self.receiving: set[str] = set()
+        self.inflation = StepInflation()
 
     def receive(self, h: Handoff) -> None:
         self.pending.append(h)
@@ -341,6 +343,9 @@ class SimDecode(SimInstance):
         return out
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        if out.segments and all(s.num_tokens == 1 for s in out.segments):  # as the runtime's decode worker
+            one = replace(out, segments=out.segments[:1])
+            self.inflation.observe(len(out.segments), self.cost.step_seconds(out), self.cost.step_seconds(one))
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
         if upd.finished and (self.pending or self.local_pending):
@@ -351,7 +356,8 @@ class SimDecode(SimInstance):
         rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
         return replace(rep, num_queued=rep.num_queued + len(self.pending) + len(self.local_pending),
                        num_prefill_tokens=rep.num_prefill_tokens
-                       + sum(r.num_prompt_tokens for r in self.local_pending))
+                       + sum(r.num_prompt_tokens for r in self.local_pending),
+                       step_inflation=self.inflation.take())
 
 
 class SimColocated(SimInstance):
