@@ -105,6 +105,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
 def add_subparsers(subparsers: Any) -> None:
     p_sim = subparsers.add_parser("sim", help="simulate clusters with the same scheduling code (no GPU needed)")
     sub = p_sim.add_subparsers(dest="sim_command", metavar="SIM_COMMAND")
+    p_sim.set_defaults(handler=lambda args: (p_sim.print_help(), 2)[1])
     p = sub.add_parser("side-by-side", help="the bench side-by-side comparison, on simulated clusters",
                        description="Every column (--modes, --serve-arg as in `bench side-by-side`) is simulated with "
                                    "the real core schedulers and a cost model; writes the same JSON and report.")
