@@ -19,6 +19,7 @@ Invariants (checked in ``__post_init__``): every count is ``>= 0``; ``0 <= utili
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -123,3 +124,20 @@ def accepting(reports: Iterable[LoadReport], role: Role) -> list[LoadReport]:
 
 def least_loaded(reports: Sequence[LoadReport]) -> LoadReport | None:
     return min(reports, key=load_key) if reports else None
+
+
+def prefill_instance_report(report: LoadReport, held: int) -> LoadReport:
+    """A prefill scheduler's report for its instance: ``held`` prefilled requests whose KV the instance still
+    holds outside the scheduler (staged for transfer, or kept to decode here) count as running. Used by the
+    runtime's prefill worker and the simulator's prefill instance alike."""
+    return dataclasses.replace(report, num_running=report.num_running + held) if held else report
+
+
+def decode_instance_report(report: LoadReport, waiting: int, waiting_prompt_tokens: int,
+                           step_inflation: float) -> LoadReport:
+    """A decode scheduler's report for its instance: ``waiting`` requests not admitted yet (handoffs and local
+    prefills waiting for blocks) count as queued, their prompt tokens (local prefills) as prefill work, and the
+    instance's step inflation (``core.step_inflation``) is attached. Used by the runtime and the simulator."""
+    return dataclasses.replace(report, num_queued=report.num_queued + waiting,
+                               num_prefill_tokens=report.num_prefill_tokens + waiting_prompt_tokens,
+                               step_inflation=step_inflation)

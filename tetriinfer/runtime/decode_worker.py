@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
-from tetriinfer.core.load import InstanceState, LoadReport
+from tetriinfer.core.load import InstanceState, LoadReport, decode_instance_report
 from tetriinfer.core.request import Request
 from tetriinfer.core.step_inflation import StepInflation
 from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, NewRequest, PrefillDone, TransferStat
@@ -219,12 +219,8 @@ class DecodeWorker:
         self.scheduler.abort(rid)
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
-        from dataclasses import replace
-
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
-        return replace(rep, num_queued=rep.num_queued + len(self.pending) + len(self.local_pending),
-                       num_prefill_tokens=rep.num_prefill_tokens
-                       + sum(len(m.prompt_token_ids) for m in self.local_pending),
-                       step_inflation=self.inflation.take())
+        return decode_instance_report(rep, len(self.pending) + len(self.local_pending),
+                                      sum(len(m.prompt_token_ids) for m in self.local_pending), self.inflation.take())
 
 

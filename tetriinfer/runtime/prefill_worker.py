@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig, charge_dispatch
 from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
-from tetriinfer.core.load import InstanceState, LoadReport
+from tetriinfer.core.load import InstanceState, LoadReport, prefill_instance_report
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
 from tetriinfer.core.step import SchedulerOutput, merge_steps, split_result
@@ -461,6 +461,4 @@ class PrefillWorker:
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
         held = len(self.staged) + len(self.kept.running) + len(self.kept.suspended)  # prefilled, KV still here
-        if held:
-            rep = replace(rep, num_running=rep.num_running + held)
-        return rep
+        return prefill_instance_report(rep, held)

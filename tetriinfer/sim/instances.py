@@ -28,7 +28,13 @@ from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerCon
 from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig, charge_dispatch
 from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
 from tetriinfer.core.kv_cache_manager import KVCacheManager
-from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.load import (
+    InstanceState,
+    LoadReport,
+    Role,
+    decode_instance_report,
+    prefill_instance_report,
+)
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
 from tetriinfer.core.step import SchedulerOutput, StepResult, merge_steps, split_result
@@ -257,8 +263,7 @@ class SimPrefill(SimInstance):
 
     def report(self, now: float, utilization: float) -> LoadReport:
         rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
-        held = len(self.staged) + len(self.kept.running) + len(self.kept.suspended)
-        return replace(rep, num_running=rep.num_running + held) if held else rep
+        return prefill_instance_report(rep, len(self.staged) + len(self.kept.running) + len(self.kept.suspended))
 
 
 @dataclass
@@ -354,10 +359,8 @@ class SimDecode(SimInstance):
 
     def report(self, now: float, utilization: float) -> LoadReport:
         rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
-        return replace(rep, num_queued=rep.num_queued + len(self.pending) + len(self.local_pending),
-                       num_prefill_tokens=rep.num_prefill_tokens
-                       + sum(r.num_prompt_tokens for r in self.local_pending),
-                       step_inflation=self.inflation.take())
+        return decode_instance_report(rep, len(self.pending) + len(self.local_pending),
+                                      sum(r.num_prompt_tokens for r in self.local_pending), self.inflation.take())
 
 
 class SimColocated(SimInstance):
