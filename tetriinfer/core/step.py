@@ -73,6 +73,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.segments
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Non-empty, and every segment is one new token continuing a request (no prompt tokens)."""
+        return bool(self.segments) and all(s.num_tokens == 1 and s.start > 0 and s.sample for s in self.segments)
+
 
 @dataclass(frozen=True)
 class StepResult:

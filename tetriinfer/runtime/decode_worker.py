@@ -199,7 +199,7 @@ class DecodeWorker:
         out = schedule_decode(self.scheduler)
         t0 = time.perf_counter()
         result = self.ctx.runner.execute(out)
-        if out.segments and all(s.num_tokens == 1 for s in out.segments):  # decode-only: feeds step inflation
+        if out.is_decode_only:  # feeds the step inflation the flip policy may read
             self.inflation.observe(len(out.segments), time.perf_counter() - t0)
         apply_decode_step(self.ctx, self.scheduler, out, result)
         return not out.is_empty

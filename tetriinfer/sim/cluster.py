@@ -126,7 +126,6 @@ class SimResult:
 class _Tracked:
     wreq: WorkloadRequest
     record: RequestRecord
-    prefill_role: str | None = None
 
 
 class SimCluster:
@@ -251,10 +250,8 @@ class SimCluster:
             try:
                 req = self._new_request(t.wreq, now)  # ValueError: e.g. max_tokens 0, as a server refuses it
                 if isinstance(inst, SimDecode):
-                    t.prefill_role = "decode"
                     inst.add_local(req)
                 elif isinstance(inst, SimPrefill | SimColocated):
-                    t.prefill_role = inst.role
                     inst.add(req)
                 else:  # pragma: no cover - roles are closed
                     raise AssertionError(type(inst))

@@ -33,11 +33,6 @@ class CostModel(Protocol):
     def step_seconds(self, out: SchedulerOutput) -> float: ...
 
 
-def is_decode_only(out: SchedulerOutput) -> bool:
-    """Every segment is one new token that continues a request (no prompt tokens in this step)."""
-    return all(s.num_tokens == 1 and s.start > 0 and s.sample for s in out.segments)
-
-
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
     """Piecewise-linear through (xs, ys) (sorted xs), extended linearly past both ends; >= 0."""
     if len(xs) == 1:
@@ -77,6 +72,10 @@ class ProfileCostModel:
                 raise ValueError(f"{name} points must have distinct increasing sizes >= 1 and seconds > 0")
         if self.step_overhead_s < 0:
             raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        # the curves as float lists, built once (step_seconds runs for every simulated step)
+        for name in ("prefill", "decode"):
+            pts = getattr(self, name)
+            object.__setattr__(self, f"_{name}_xy", ([float(x) for x, _ in pts], [y for _, y in pts]))
 
     @classmethod
     def from_profile(cls, profile: dict[str, Any] | str | Path | list[dict[str, Any] | str | Path],
@@ -105,15 +104,15 @@ class ProfileCostModel:
         return cls(_envelope(pre), _envelope(dec), step_overhead_s, ", ".join(sources))
 
     def prefill_seconds(self, num_tokens: int) -> float:
-        return _interp([float(x) for x, _ in self.prefill], [y for _, y in self.prefill], float(num_tokens))
+        return _interp(*self._prefill_xy, float(num_tokens))  # type: ignore[attr-defined]
 
     def decode_seconds(self, batch: int) -> float:
-        return _interp([float(x) for x, _ in self.decode], [y for _, y in self.decode], float(batch))
+        return _interp(*self._decode_xy, float(batch))  # type: ignore[attr-defined]
 
     def step_seconds(self, out: SchedulerOutput) -> float:
         if out.is_empty:
             return 0.0
-        if is_decode_only(out):
+        if out.is_decode_only:
             return self.decode_seconds(len(out.segments)) + self.step_overhead_s
         return self.prefill_seconds(out.num_scheduled_tokens + out.num_padding_tokens) + self.step_overhead_s
 

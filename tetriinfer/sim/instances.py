@@ -31,7 +31,6 @@ from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import (
     InstanceState,
     LoadReport,
-    Role,
     decode_instance_report,
     prefill_instance_report,
 )
@@ -99,6 +98,7 @@ class SimInstance:
         self.busy_s = 0.0  # total seconds spent in steps (resource usage time)
         self.window_busy_s = 0.0  # since the last load report
         self.steps = 0
+        self.step_seconds = 0.0  # the running (or last) step's cost
 
     # subclass hooks
     def next_step(self) -> SchedulerOutput | None:
@@ -132,7 +132,7 @@ class SimInstance:
         if out.is_empty:
             self.end_step(out, synthetic_result(out))
             return
-        secs = self.cost.step_seconds(out)
+        secs = self.step_seconds = self.cost.step_seconds(out)
         self.stepping = True
         self.busy_s += secs
         self.window_busy_s += secs
@@ -348,9 +348,9 @@ class SimDecode(SimInstance):
         return out
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
-        if out.segments and all(s.num_tokens == 1 for s in out.segments):  # as the runtime's decode worker
+        if out.is_decode_only:  # as the runtime's decode worker; the cost model also prices its batch-1 version
             one = replace(out, segments=out.segments[:1])
-            self.inflation.observe(len(out.segments), self.cost.step_seconds(out), self.cost.step_seconds(one))
+            self.inflation.observe(len(out.segments), self.step_seconds, self.cost.step_seconds(one))
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
         if upd.finished and (self.pending or self.local_pending):
@@ -392,5 +392,3 @@ class SimColocated(SimInstance):
     def report(self, now: float, utilization: float) -> LoadReport:
         return colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
 
-
-ROLE_OF = {"prefill": Role.PREFILL, "decode": Role.DECODE}
