@@ -52,7 +52,6 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, Any, int]:
 def _side_by_side(args: argparse.Namespace) -> int:
     from tetriinfer.bench.metrics import SLO
     from tetriinfer.bench.side_by_side import parse_columns, save, write_plots
-    from tetriinfer.sim.cost_model import RooflineCostModel
     from tetriinfer.sim.side_by_side import (
         SimSideBySide,
         SimSideBySideConfig,
@@ -65,13 +64,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
     max_len = args.max_model_len or mcfg.max_position_embeddings
     probe_cfg = SimSideBySideConfig(tuple(w.strip() for w in args.workloads.split(",") if w.strip()), columns,
                                     num_kv_blocks=1, kv_bytes_per_token=kv_per_token, max_model_len=max_len)
-    block = cluster_config_for(columns[0], probe_cfg).block_size
-    if args.num_kv_blocks:
-        blocks = args.num_kv_blocks
-    elif isinstance(cost, RooflineCostModel):
-        blocks = cost.kv_capacity_tokens(args.gpu_memory_utilization) // block
-    else:
-        blocks = int(args.kv_cache_memory_gb * 1024**3 // (block * kv_per_token))
+    blocks = _kv_blocks(args, cost, kv_per_token, cluster_config_for(columns[0], probe_cfg).block_size)
     fractions = tuple(float(f) for f in args.rate_fraction.split(","))
     cfg = SimSideBySideConfig(
         probe_cfg.workloads, columns, num_kv_blocks=blocks, kv_bytes_per_token=kv_per_token, max_model_len=max_len,
@@ -102,13 +95,82 @@ def _side_by_side(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subparsers(subparsers: Any) -> None:
-    p_sim = subparsers.add_parser("sim", help="simulate clusters with the same scheduling code (no GPU needed)")
-    sub = p_sim.add_subparsers(dest="sim_command", metavar="SIM_COMMAND")
-    p_sim.set_defaults(handler=lambda args: (p_sim.print_help(), 2)[1])
-    p = sub.add_parser("side-by-side", help="the bench side-by-side comparison, on simulated clusters",
-                       description="Every column (--modes, --serve-arg as in `bench side-by-side`) is simulated with "
-                                   "the real core schedulers and a cost model; writes the same JSON and report.")
+def _kv_blocks(args: argparse.Namespace, cost: Any, kv_per_token: int, block_size: int) -> int:
+    """KV blocks per instance: ``--num-kv-blocks``, else the device memory (roofline) or ``--kv-cache-memory-gb``."""
+    from tetriinfer.sim.cost_model import RooflineCostModel
+
+    if args.num_kv_blocks:
+        return int(args.num_kv_blocks)
+    if isinstance(cost, RooflineCostModel):
+        return cost.kv_capacity_tokens(args.gpu_memory_utilization) // block_size
+    return int(args.kv_cache_memory_gb * 1024**3 // (block_size * kv_per_token))
+
+
+def _mode_serve_args(modes: list[str], serve_args: list[str]) -> dict[str, tuple[str, ...]]:
+    """``--serve-arg [MODE:]ARGS`` -> extra ``serve`` arguments per mode (no prefix: every mode)."""
+    out: dict[str, list[str]] = {m: [] for m in modes}
+    for item in serve_args:
+        head, sep, rest = item.partition(":")
+        if sep and head in out and not head.startswith("-"):
+            out[head].extend(shlex.split(rest))
+        elif sep and not head.startswith("-") and " " not in head:
+            raise ValueError(f"--serve-arg {item!r}: {head!r} is not one of the searched modes {modes}")
+        else:
+            for m in modes:
+                out[m].extend(shlex.split(item))
+    return {m: tuple(v) for m, v in out.items()}
+
+
+def _placement(args: argparse.Namespace) -> int:
+    from tetriinfer.bench.metrics import SLO
+    from tetriinfer.bench.side_by_side import save
+    from tetriinfer.sim.placement import (
+        PlacementConfig,
+        PlacementSearch,
+        candidate_layouts,
+        layout_cluster_config,
+        markdown_report,
+        write_plots,
+    )
+
+    cost, mcfg, kv_per_token = _cost_model(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    layouts = candidate_layouts(modes, args.instances, _mode_serve_args(modes, args.serve_arg))
+    max_len = args.max_model_len or mcfg.max_position_embeddings
+    blocks = _kv_blocks(args, cost, kv_per_token, layout_cluster_config(layouts[0], args.model or "sim").block_size)
+    cfg = PlacementConfig(
+        tuple(w.strip() for w in args.workloads.split(",") if w.strip()), tuple(layouts),
+        SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e), num_kv_blocks=blocks, kv_bytes_per_token=kv_per_token,
+        max_model_len=max_len, model=args.model or "tiny-llama (default)", attainment=args.attainment,
+        num_requests=args.num_requests, min_duration_s=args.min_duration_s, probe_requests=args.probe_requests,
+        probe_concurrency=args.probe_concurrency, rel_tol=args.rel_tol, arrival=args.arrival,
+        burstiness_cv=args.burstiness_cv, max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens, length_source=args.length_source, seed=args.seed,
+        link_bandwidth=args.link_bandwidth, link_latency=args.link_latency,
+        predictor_accuracy=args.predictor_accuracy, frontend_delay_s=args.frontend_delay_ms / 1e3,
+        target_rate=args.target_rate, progress=not args.no_progress,
+    )
+    command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result = PlacementSearch(cfg, cost, command).run()
+    save(result, args.out)
+    plots = write_plots(result, args.plot) if args.plot else []
+    if args.md:
+        md_path = Path(args.md)
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        rel = [str(Path(p).resolve().relative_to(md_path.parent.resolve())) if Path(p).resolve().is_relative_to(
+            md_path.parent.resolve()) else p for p in plots]
+        md_path.write_text(markdown_report(result, rel), encoding="utf-8")
+    for wl, entry in result["workloads"].items():
+        top = entry["layouts"][0]
+        print(f"{wl}: best {top['label']}: goodput {top['goodput_rps']:.3f} req/s "
+              f"({top['goodput_per_instance_rps']:.3f} per instance); "
+              + "; ".join(f"{r['label']} {r['goodput_per_instance_rps']:.3f}" for r in entry["layouts"][1:]))
+    print(f"results written to {args.out}" + (f", report to {args.md}" if args.md else ""))
+    return 0
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    """The cost model, model and memory arguments every simulation subcommand takes."""
     p.add_argument("--cost", required=True, help=COST_HELP)
     p.add_argument("--model", default=None, help="a model preset (llama-2-7b, llama-2-13b, llama-3-8b, mistral-7b, "
                                                  "opt-13b) or an HF model folder (default: the tiny llama)")
@@ -124,6 +186,16 @@ def add_subparsers(subparsers: Any) -> None:
                                                                    "device memory or --kv-cache-memory-gb)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="profile: KV pool per instance")
     p.add_argument("--max-model-len", type=int, default=None)
+
+
+def add_subparsers(subparsers: Any) -> None:
+    p_sim = subparsers.add_parser("sim", help="simulate clusters with the same scheduling code (no GPU needed)")
+    sub = p_sim.add_subparsers(dest="sim_command", metavar="SIM_COMMAND")
+    p_sim.set_defaults(handler=lambda args: (p_sim.print_help(), 2)[1])
+    p = sub.add_parser("side-by-side", help="the bench side-by-side comparison, on simulated clusters",
+                       description="Every column (--modes, --serve-arg as in `bench side-by-side`) is simulated with "
+                                   "the real core schedulers and a cost model; writes the same JSON and report.")
+    _add_cost_args(p)
     p.add_argument("--workloads", default="lpld,lphd,hpld,hphd,mixed")
     p.add_argument("--modes", default="tetriinfer,colocated")
     p.add_argument("--serve-arg", action="append", default=[], metavar="[NAME:]ARGS",
@@ -157,3 +229,42 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("--raw", default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=_side_by_side)
+
+    p = sub.add_parser("placement", help="DistServe's placement search: the mode and prefill:decode split with the "
+                                         "most goodput per instance",
+                       description="For each mode and, for disaggregated modes, each prefill:decode split of "
+                                   "--instances, find the highest request rate at which --attainment of the requests "
+                                   "meet the SLOs (simulated), and rank layouts by goodput per instance.")
+    _add_cost_args(p)
+    p.add_argument("--workloads", default="mixed")
+    p.add_argument("--modes", default="tetriinfer,colocated")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="[MODE:]ARGS",
+                   help="`tetriinfer serve` arguments for every mode, or MODE:ARGS for one; repeatable")
+    p.add_argument("--instances", type=int, default=4, help="instances per layout (every split is tried)")
+    p.add_argument("--slo-ttft", type=float, default=None, metavar="MS")
+    p.add_argument("--slo-tpot", type=float, default=None, metavar="MS")
+    p.add_argument("--slo-e2e", type=float, default=None, metavar="MS")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
+    p.add_argument("--target-rate", type=float, default=None, metavar="RPS",
+                   help="also say how many replicas of the best layout serve this rate")
+    p.add_argument("--num-requests", "-n", type=int, default=300, help="at least this many requests per evaluation")
+    p.add_argument("--min-duration-s", type=float, default=60.0,
+                   help="and at least this many seconds of arrivals (steady state, not a short burst)")
+    p.add_argument("--probe-requests", type=int, default=64)
+    p.add_argument("--probe-concurrency", type=int, default=16, help="per instance")
+    p.add_argument("--rel-tol", type=float, default=0.03, help="stop bisecting at this relative rate gap")
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-output-tokens", type=int, default=None)
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
+    p.add_argument("--burstiness-cv", type=float, default=1.0)
+    p.add_argument("--length-source", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--link-bandwidth", default="200Gbps")
+    p.add_argument("--link-latency", default="0")
+    p.add_argument("--predictor-accuracy", type=float, default=1.0)
+    p.add_argument("--frontend-delay-ms", type=float, default=0.0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--md", default=None)
+    p.add_argument("--plot", default=None, metavar="DIR")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=_placement)
