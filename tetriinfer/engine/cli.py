@@ -15,7 +15,7 @@ from typing import Any
 
 # Mirrors make_model.ARCHS/PRESETS/DTYPES without importing it (tests check they agree).
 ARCH_CHOICES: tuple[str, ...] = ("llama", "opt", "qwen2")
-PRESET_CHOICES: tuple[str, ...] = ("tiny", "small")
+PRESET_CHOICES: tuple[str, ...] = ("tiny", "small", "medium")
 DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16")
 
 
@@ -48,7 +48,7 @@ def _add_make_model(subparsers: Any) -> None:
         "--preset",
         choices=PRESET_CHOICES,
         default="tiny",
-        help="tiny ~20M params, small ~100M (default: tiny)",
+        help="tiny ~20M params, small ~100M, medium ~1B (default: tiny)",
     )
     parser.add_argument(
         "--out", required=True, help="folder to create (must be absent or empty unless --force)"
@@ -110,7 +110,10 @@ def _add_profile(subparsers: Any) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "fast", "fast-shm"],
+                   help="auto: the HF folder; dummy: random weights; fast: a loading-optimized copy cached on first "
+                        "use (ServerlessLLM-style cold start); fast-shm: the same, mapped from one host-memory copy "
+                        "that every instance on this host shares")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--prefill-tokens", type=_ints, default=list(DEFAULT_PREFILL_TOKENS))
@@ -121,7 +124,50 @@ def _add_profile(subparsers: Any) -> None:
     p.set_defaults(handler=_profile_handler)
 
 
-_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_make_model, _add_profile)
+def _checkpoint_handler(args: argparse.Namespace) -> int:
+    from tetriinfer.engine import fast_checkpoint as fc
+    from tetriinfer.engine.loader import parse_dtype
+
+    if args.checkpoint_command == "convert":
+        model = args.model
+        if model is None:
+            from tetriinfer.engine.make_model import default_model_path
+
+            model = str(default_model_path())
+        path, seconds = fc.ensure_checkpoint(model, parse_dtype(args.dtype))
+        index = fc.read_index(path)
+        made = f"made in {seconds:.1f} s" if seconds else "already cached"
+        print(f"{path}: {index.total_bytes / 2**30:.3f} GiB in {len(index.partitions)} partition(s), {made}")
+        return 0
+    if args.checkpoint_command == "list":
+        root = fc.checkpoint_cache_dir()
+        rows = sorted(p for p in root.glob("*") if (p / "index.json").is_file()) if root.is_dir() else []
+        for p in rows:
+            index = fc.read_index(p)
+            shm = fc.shm_path(p)
+            print(f"{p.name}  {index.total_bytes / 2**30:8.3f} GiB  {index.source.get('dtype', '?'):9s} "
+                  f"{index.source.get('model_dir', '?')}" + (f"  (in host memory: {shm})" if shm.exists() else ""))
+        if not rows:
+            print(f"no fast checkpoints in {root}")
+        return 0
+    removed = fc.evict_shm()
+    print(f"removed {len(removed)} host-memory cop{'y' if len(removed) == 1 else 'ies'} from {fc.SHM_DIR}")
+    return 0
+
+
+def _add_checkpoint(subparsers: Any) -> None:
+    p = subparsers.add_parser("checkpoint", help="loading-optimized checkpoints for fast cold starts "
+                                                 "(--load-format fast / fast-shm)")
+    sub = p.add_subparsers(dest="checkpoint_command", metavar="CHECKPOINT_COMMAND", required=True)
+    c = sub.add_parser("convert", help="make (or find) the cached fast checkpoint of an HF model folder")
+    c.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
+    c.add_argument("--dtype", default="float32", help="the dtype instances will load (float32, bfloat16, ...)")
+    sub.add_parser("list", help="the cached fast checkpoints and which are in host memory")
+    sub.add_parser("evict", help="remove the host-memory (/dev/shm) copies that fast-shm instances share")
+    p.set_defaults(handler=_checkpoint_handler)
+
+
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_make_model, _add_profile, _add_checkpoint)
 
 
 def add_subparsers(subparsers: Any) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,6 +15,12 @@ from torch import nn
 from tetriinfer.engine.model_config import ModelConfig
 from tetriinfer.engine.models.llama import LlamaForCausalLM
 from tetriinfer.engine.models.opt import OPTForCausalLM
+
+log = logging.getLogger(__name__)
+
+# auto/safetensors: the HF folder; dummy: seeded random weights; fast / fast-shm: the loading-optimized
+# checkpoint cache (fast_checkpoint.py), fast-shm also sharing one host-memory copy among this host's instances.
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "fast", "fast-shm")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,10 +41,29 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+_INIT_SKIPPED = (nn.Linear, nn.Embedding, nn.LayerNorm)
+
+
+@contextlib.contextmanager
+def _no_parameter_init() -> Iterator[None]:
+    """Modules built inside skip ``reset_parameters``: every parameter is then loaded or filled explicitly,
+    and torch's initializers on the meta device import ``torch._dynamo`` (~2 s of every instance start)."""
+    saved = {cls: cls.__dict__["reset_parameters"] for cls in _INIT_SKIPPED}
+    try:
+        for cls in _INIT_SKIPPED:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn  # type: ignore[method-assign]
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
-    if cfg.family == "llama":
-        return LlamaForCausalLM(cfg)
-    return OPTForCausalLM(cfg)
+    """The model's modules with parameters left as allocated (callers load or fill every one)."""
+    with _no_parameter_init():
+        if cfg.family == "llama":
+            return LlamaForCausalLM(cfg)
+        return OPTForCausalLM(cfg)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -123,20 +152,12 @@ def load_model(
     """Load a model. ``load_format='dummy'`` gives seeded random weights and needs only config.json
     (or a ``ModelConfig``-compatible dict folder), as vLLM's dummy format does."""
     torch_dtype = parse_dtype(dtype)
-    if load_format not in ("auto", "safetensors", "dummy"):
-        raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r} ({', '.join(LOAD_FORMATS)})")
+    if load_format in ("fast", "fast-shm"):
+        return _load_fast(Path(model_dir), torch_dtype, device, shm=load_format == "fast-shm")
     cfg = ModelConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = build_model(cfg)
-    model = model.to_empty(device="cpu")
-    # Buffers computed at construction (rotary inv_freq) were lost on the meta device: rebuild them.
-    for module in model.modules():
-        if hasattr(module, "inv_freq"):
-            from tetriinfer.engine.models.layers import rope_inv_freq
-
-            module.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = _empty_model(cfg, torch_dtype)
     if load_format == "dummy":
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -150,7 +171,45 @@ def load_model(
     else:
         load_weights(model, Path(model_dir))
     model = model.to(device=device, dtype=torch_dtype)
+    return _finish(model), cfg
+
+
+def _finish(model: nn.Module) -> nn.Module:
     if hasattr(model, "rotary"):
         model.rotary.inv_freq = model.rotary.inv_freq.float()  # keep RoPE frequencies in fp32
     model.eval()
-    return model, cfg
+    return model
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model with uninitialized CPU parameters of ``dtype`` (``torch.empty``: allocated lazily, never touched
+    here) and computed buffers (left in fp32; ``load_model`` casts them as before). Built on CPU, not the meta
+    device: meta tensor ops import ``torch._dynamo`` (~2 s). Parameters get ``dtype`` before any weight is
+    copied in, so a bf16 checkpoint is copied once, not upcast into fp32 and cast back (3x slower for 1B)."""
+    model = build_model(cfg)
+    if dtype != torch.float32:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.dtype != dtype:
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _load_fast(model_dir: Path, dtype: torch.dtype, device: str, shm: bool) -> tuple[nn.Module, ModelConfig]:
+    """``fast`` / ``fast-shm``: the cached loading-optimized checkpoint (made on first use), see
+    ``engine/fast_checkpoint.py``. The loaded model carries ``load_stats`` (a ``LoadStats``)."""
+    from tetriinfer.engine import fast_checkpoint as fc
+
+    ckpt, converted_s = fc.ensure_checkpoint(model_dir, dtype)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    model = _empty_model(cfg)
+    stats = fc.load_fast(model, ckpt, device=device, shm=shm)
+    if converted_s:
+        stats = replace(stats, converted_s=converted_s)
+    model = model.to(device=device)  # buffers (RoPE frequencies); parameters are already there
+    model.load_stats = stats
+    log.info("loaded %s from fast checkpoint %s (%s tier): %.2f GiB in %.3f s (%.2f GiB/s, %d readers)",
+             model_dir, ckpt, stats.tier, stats.bytes / 2**30, stats.seconds, stats.gib_per_s, stats.num_readers)
+    return _finish(model), cfg

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ARCHS: tuple[str, ...] = ("llama", "opt", "qwen2")
-PRESETS: tuple[str, ...] = ("tiny", "small")
+PRESETS: tuple[str, ...] = ("tiny", "small", "medium")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 # Std of the logits of a random model, in nats (see init_rule).
@@ -127,18 +127,27 @@ _LLAMA_LIKE: dict[str, ModelShape] = {
     "small": ModelShape(
         hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2560, max_position_embeddings=4096
     ),
+    # TinyLlama-1.1B's shape (~1B parameters with this vocabulary): cold-start and memory benchmarks.
+    "medium": ModelShape(
+        hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, max_position_embeddings=2048
+    ),
 }
 PRESET_SHAPES: dict[tuple[str, str], ModelShape] = {
     ("llama", "tiny"): _LLAMA_LIKE["tiny"],
     ("llama", "small"): _LLAMA_LIKE["small"],
     ("qwen2", "tiny"): _LLAMA_LIKE["tiny"],
     ("qwen2", "small"): _LLAMA_LIKE["small"],
+    ("llama", "medium"): _LLAMA_LIKE["medium"],
+    ("qwen2", "medium"): _LLAMA_LIKE["medium"],
     # OPT has no grouped-query attention; intermediate is OPT's ffn_dim. "small" is OPT-125M's shape.
     ("opt", "tiny"): ModelShape(
         hidden=384, layers=6, heads=6, kv_heads=6, intermediate=1536, max_position_embeddings=2048
     ),
     ("opt", "small"): ModelShape(
         hidden=768, layers=12, heads=12, kv_heads=12, intermediate=3072, max_position_embeddings=2048
+    ),
+    ("opt", "medium"): ModelShape(  # OPT-1.3B's shape
+        hidden=2048, layers=24, heads=32, kv_heads=32, intermediate=8192, max_position_embeddings=2048
     ),
 }
 

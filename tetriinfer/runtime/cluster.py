@@ -128,6 +128,12 @@ class ClusterEngineClient:
 
         if self.config.load_format != "dummy":
             self._tokenizer = load_tokenizer(self.config.model)
+        if self.config.load_format in ("fast", "fast-shm"):
+            # Make the fast checkpoint once, here, before instances race to (and time out making) it.
+            from tetriinfer.engine.fast_checkpoint import ensure_checkpoint
+            from tetriinfer.engine.loader import parse_dtype
+
+            await asyncio.to_thread(ensure_checkpoint, self.config.model, parse_dtype(self.config.dtype))
         eos = self._model_config.eos_token_id
         if eos is None and self._tokenizer is not None:
             eos = self._tokenizer.eos_token_id

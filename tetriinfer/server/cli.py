@@ -15,7 +15,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "fast", "fast-shm"],
+                   help="auto: the HF folder; dummy: random weights; fast: a loading-optimized copy cached on first "
+                        "use (ServerlessLLM-style cold start); fast-shm: the same, mapped from one host-memory copy "
+                        "that every instance on this host shares")
     p.add_argument("--mode", default="tetriinfer", choices=[*MODES, "single"],
                    help="tetriinfer (disaggregated), distserve, colocated (vLLM-style), sarathi, single (in-process)")
     p.add_argument("--prefill-instances", type=int, default=1)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -293,6 +294,7 @@ class PlacementSearch:
 
     def run(self) -> dict[str, Any]:
         c = self.config
+        t0 = time.monotonic()
         out: dict[str, Any] = {}
         bar = tqdm(total=len(c.workloads) * len(c.layouts), desc="placement", disable=not c.progress)
         for name in c.workloads:
@@ -318,7 +320,8 @@ class PlacementSearch:
             "arrival": c.arrival,
             "burstiness_cv": c.burstiness_cv, "rel_tol": c.rel_tol, "num_kv_blocks": c.num_kv_blocks,
             "link_bandwidth": str(c.link_bandwidth), "predictor_accuracy": c.predictor_accuracy,
-            "frontend_delay_s": c.frontend_delay_s, "simulations": self.num_simulations, **c.extra,
+            "frontend_delay_s": c.frontend_delay_s, "simulations": self.num_simulations,
+            "wall_s": time.monotonic() - t0, **c.extra,
         }
         return {"workloads": out, "meta": meta}
 
