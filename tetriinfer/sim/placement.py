@@ -271,15 +271,23 @@ class PlacementSearch:
         c = self.config
         return max(c.num_requests, math.ceil(rate * c.min_duration_s))
 
-    def evaluate(self, layout: Layout, workload: str, rate: float) -> RatePoint:
+    def simulate_records(self, layout: Layout, workload: str, rate: float) -> list[Any]:
+        """Per-request records of the layout at ``rate`` (``requests_at(rate)`` requests of the seeded workload)."""
         c = self.config
-        n = self.requests_at(rate)
-        wl = self._workload(workload, n, rate, c.seed)
-        records = self._simulate(self.clusters[layout.label], wl)
-        s = summarize(records, slo=c.slo)
-        sent = s["num_requests"] - s["rejected"]  # too long for the model: the same for every layout, not counted
-        attained = (s["good_requests"] or 0) / sent if sent else 0.0
-        return RatePoint(rate, attained, s["ttft"]["p90"], s["tpot"]["p90"], n)
+        return self._simulate(self.clusters[layout.label], self._workload(workload, self.requests_at(rate), rate,
+                                                                          c.seed))
+
+    def attainment(self, records: list[Any], slo: SLO | None = None) -> float:
+        """Share of the requests that fit the model (rejected ones are the same for every layout) meeting ``slo``
+        (default: the configured one)."""
+        s = summarize(records, slo=slo or self.config.slo)
+        sent = s["num_requests"] - s["rejected"]
+        return (s["good_requests"] or 0) / sent if sent else 0.0
+
+    def evaluate(self, layout: Layout, workload: str, rate: float) -> RatePoint:
+        records = self.simulate_records(layout, workload, rate)
+        s = summarize(records, slo=self.config.slo)
+        return RatePoint(rate, self.attainment(records), s["ttft"]["p90"], s["tpot"]["p90"], len(records))
 
     def search(self, layout: Layout, workload: str) -> dict[str, Any]:
         start = self.throughput(layout, workload)
