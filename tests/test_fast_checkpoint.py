@@ -165,3 +165,16 @@ def test_serve_with_fast_shm_maps_one_copy_into_every_instance(tiny_llama: Path,
     finally:
         assert srv.stop() == 0
         fc.evict_shm(ckpt)
+
+
+def test_fast_shm_without_room_in_host_memory_loads_from_disk(
+    tiny_llama: Path, cache: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Full:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(fc.os, "statvfs", lambda path: Full())
+    model, _ = load_model(tiny_llama, "float32", "cpu", "fast-shm")
+    assert model.load_stats.tier == "disk" and not list(shm_dir.iterdir())  # nothing half-written
+    ref, _ = load_model(tiny_llama, "float32", "cpu", "auto")
+    same_parameters(ref, model)

@@ -318,6 +318,19 @@ def _shm_buffer(ckpt_dir: Path, index: CheckpointIndex, num_readers: int) -> tup
     return torch.from_file(str(path), shared=True, size=index.total_bytes, dtype=torch.uint8), tier
 
 
+def _shm_fits(ckpt_dir: Path, index: CheckpointIndex) -> bool:
+    """Whether the host-memory copy exists or fits in ``SHM_DIR`` (a container's /dev/shm is often 64 MiB: writing
+    past it would kill the process with SIGBUS, so the load falls back to the disk tier instead)."""
+    path = shm_path(ckpt_dir)
+    if path.is_file() and path.stat().st_size == index.total_bytes:
+        return True
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= index.total_bytes + (64 << 20)
+
+
 def evict_shm(ckpt_dir: str | Path | None = None) -> list[Path]:
     """Remove the ``/dev/shm`` copies (of one checkpoint, or all of ours); mapped instances keep theirs."""
     pattern = f"tetriinfer-weights-{Path(ckpt_dir).name}.*" if ckpt_dir else "tetriinfer-weights-*"
@@ -362,6 +375,10 @@ def load_fast(model: nn.Module, ckpt_dir: str | Path, device: str = "cpu", shm: 
     index = read_index(ckpt)
     readers = num_readers or default_readers()
     t0 = time.perf_counter()
+    if shm and device == "cpu" and not _shm_fits(ckpt, index):
+        log.warning("%s has room for less than %.2f GiB: loading %s from disk, unshared", SHM_DIR,
+                    index.total_bytes / 2**30, ckpt)
+        shm = False
     if shm and device == "cpu":
         buffer, tier = _shm_buffer(ckpt, index, readers)
     else:
