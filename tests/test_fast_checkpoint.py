@@ -178,3 +178,20 @@ def test_fast_shm_without_room_in_host_memory_loads_from_disk(
     assert model.load_stats.tier == "disk" and not list(shm_dir.iterdir())  # nothing half-written
     ref, _ = load_model(tiny_llama, "float32", "cpu", "auto")
     same_parameters(ref, model)
+
+
+def test_checkpoint_cli_converts_lists_and_evicts(
+    tiny_llama: Path, cache: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tetriinfer.cli import main
+
+    assert main(["checkpoint", "convert", "--model", str(tiny_llama)]) == 0
+    assert "made in" in capsys.readouterr().out
+    assert main(["checkpoint", "convert", "--model", str(tiny_llama)]) == 0
+    assert "already cached" in capsys.readouterr().out
+    load_model(tiny_llama, "float32", "cpu", "fast-shm")
+    assert main(["checkpoint", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert str(tiny_llama.resolve()) in listed and "in host memory" in listed
+    assert main(["checkpoint", "evict"]) == 0
+    assert "removed" in capsys.readouterr().out and not list(shm_dir.glob("*.bin"))
