@@ -103,7 +103,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _add_profile(subparsers: Any) -> None:
-    from tetriinfer.engine.profiler import DEFAULT_DECODE_BATCHES, DEFAULT_PREFILL_TOKENS
+    from tetriinfer.engine.profile_config import DEFAULT_DECODE_BATCHES, DEFAULT_PREFILL_TOKENS
 
     p = subparsers.add_parser("profile", help="sweep prefill chunk sizes and decode batch sizes on this device")
     p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
