@@ -8,8 +8,6 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,16 +22,7 @@ from tetriinfer.engine.loader import load_model, parse_dtype
 from tetriinfer.engine.model_config import ModelConfig
 from tetriinfer.engine.model_runner import ModelRunner
 from tetriinfer.engine.outputs import CompletionOutput, RequestOutput
-
-
-def load_tokenizer(model_dir: str | Path) -> Any | None:
-    """The model folder's HF tokenizer, or None if it ships none (then prompts must be token ids)."""
-    path = Path(model_dir)
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+from tetriinfer.engine.tokenizer_loader import load_tokenizer  # noqa: F401 - re-exported (engine API)
 
 
 def _num_kv_blocks(config: EngineConfig, cfg: ModelConfig, max_model_len: int) -> int:

@@ -124,20 +124,14 @@ class ClusterEngineClient:
         return self._started and not self._closing and all(i.process.poll() is None for i in self.instances.values())
 
     async def start(self) -> None:
-        from tetriinfer.engine.llm_engine import load_tokenizer
+        from tetriinfer.engine.tokenizer_loader import load_tokenizer
 
-        if self.config.load_format != "dummy":
-            self._tokenizer = load_tokenizer(self.config.model)
         if self.config.load_format in ("fast", "fast-shm"):
             # Make the fast checkpoint once, here, before instances race to (and time out making) it.
             from tetriinfer.engine.fast_checkpoint import ensure_checkpoint
             from tetriinfer.engine.loader import parse_dtype
 
             await asyncio.to_thread(ensure_checkpoint, self.config.model, parse_dtype(self.config.dtype))
-        eos = self._model_config.eos_token_id
-        if eos is None and self._tokenizer is not None:
-            eos = self._tokenizer.eos_token_id
-        self.eos_token_id = eos
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         port = self._pull.bind_to_random_port("tcp://127.0.0.1")
@@ -153,6 +147,17 @@ class ClusterEngineClient:
                 env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
             )
             self.instances[iid] = InstanceInfo(iid, role, proc)
+        # The tokenizer loads (seconds: transformers' import) while the instances start, not before.
+        if self.config.load_format != "dummy":
+            try:
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+            except BaseException:
+                await self._kill_all()
+                raise
+        eos = self._model_config.eos_token_id
+        if eos is None and self._tokenizer is not None:
+            eos = self._tokenizer.eos_token_id
+        self.eos_token_id = eos
         await self._await_hellos()
         table = {i.instance_id: i.hello.address for i in self.instances.values() if i.hello}
         for info in self.instances.values():

@@ -9,16 +9,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tetriinfer.core.decode_scheduler import DecodeScheduler
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import FINISH_REASON, Request
 from tetriinfer.core.step import SchedulerOutput, StepResult
-from tetriinfer.engine.model_runner import ModelRunner
 from tetriinfer.runtime.instance_spec import InstanceSpec
 from tetriinfer.runtime.messages import Message, TokenItem, WireLoad
+
+if TYPE_CHECKING:  # the front end imports this module's wire helpers and must not pay for torch
+    from tetriinfer.engine.model_runner import ModelRunner
 
 
 @dataclass
