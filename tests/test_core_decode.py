@@ -351,3 +351,13 @@ def test_mixed_local_and_transferred_requests_all_end_and_free_every_block(reqs,
         assert sched.kv.num_free_blocks + sched.kv.num_used_blocks == blocks
     assert sorted(done) == sorted(admitted) and len(done) == len(set(done))
     assert sched.kv.num_used_blocks == 0
+
+
+def test_token_ids_range_spans_prompt_and_output_like_their_concatenation() -> None:
+    req = Request("r", [10, 11, 12, 13], SamplingParams(max_tokens=8))
+    for t in (20, 21, 22):
+        req.append_output(t)
+    whole = [10, 11, 12, 13, 20, 21, 22]
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert req.token_ids_range(start, end) == whole[start:end], (start, end)

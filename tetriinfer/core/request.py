@@ -96,10 +96,14 @@ class Request:
         return not self.output_token_ids or self.num_uncomputed_tokens > 1
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output (without joining the two lists: a decode step asks for one
+        output token, and copying the whole prompt for it cost more than the rest of its scheduling)."""
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
 
     @property
     def max_total_tokens(self) -> int:
