@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,42 +32,23 @@ def pss(pid: int) -> int:
     return 0
 
 
-def start_once(model: str, dtype: str, fmt: str, instances: int, port: int) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", model, "--dtype", dtype, "--mode", "colocated",
-           "--instances", str(instances), "--load-format", fmt, "--port", str(port), "--kv-cache-memory-gb", "0.25"]
+def start_once(model: str, dtype: str, fmt: str, instances: int) -> dict[str, float]:
+    from tetriinfer.bench.side_by_side import serve
+
+    args = ["--dtype", dtype, "--instances", str(instances), "--load-format", fmt, "--kv-cache-memory-gb", "0.25"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited:\n{proc.stdout.read()[-3000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 600:
-                raise RuntimeError("serve did not become healthy in 600 s")
-            time.sleep(0.05)
+    with serve(model, "colocated", args, startup_timeout_s=600, poll_s=0.05) as base_url:
         ready = time.perf_counter() - t0
         # One request per instance (sent together: the front end spreads them), so every instance has run its
         # weights once before its memory is read: mapped pages count in PSS only once touched.
         body = {"model": Path(model).name, "prompt": "Hello there", "max_tokens": 2, "temperature": 0}
         with ThreadPoolExecutor(instances) as pool:
-            codes = list(pool.map(lambda _: httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+            codes = list(pool.map(lambda _: httpx.post(f"{base_url}/v1/completions", json=body,
                                                        timeout=120).status_code, range(instances)))
         if codes != [200] * instances:
             raise RuntimeError(f"completions failed: {codes}")
-        pids = [i["pid"] for i in httpx.get(f"http://127.0.0.1:{port}/cluster", timeout=10).json()["instances"]]
+        pids = [i["pid"] for i in httpx.get(f"{base_url}/cluster", timeout=10).json()["instances"]]
         return {"ready_s": ready, "instances_pss": float(sum(pss(p) for p in pids))}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def main() -> int:
@@ -84,7 +62,6 @@ def main() -> int:
 
     from tetriinfer.engine import fast_checkpoint as fc
     from tetriinfer.engine.loader import parse_dtype
-    from tetriinfer.net import free_loopback_port
 
     t0 = time.perf_counter()
     ckpt, made_s = fc.ensure_checkpoint(args.model, parse_dtype(args.dtype))
@@ -94,13 +71,11 @@ def main() -> int:
     bar = tqdm(total=len(labels) * args.repeats, desc="serve start")
     for _ in range(args.repeats):
         for fmt in ("auto", "fast"):
-            runs[fmt].append(start_once(args.model, args.dtype, fmt, args.instances, free_loopback_port()))
+            runs[fmt].append(start_once(args.model, args.dtype, fmt, args.instances))
             bar.update(1)
         fc.evict_shm(ckpt)
-        runs["fast-shm (first)"].append(start_once(args.model, args.dtype, "fast-shm", args.instances,
-                                                   free_loopback_port()))
-        runs["fast-shm (next)"].append(start_once(args.model, args.dtype, "fast-shm", args.instances,
-                                                  free_loopback_port()))
+        runs["fast-shm (first)"].append(start_once(args.model, args.dtype, "fast-shm", args.instances))
+        runs["fast-shm (next)"].append(start_once(args.model, args.dtype, "fast-shm", args.instances))
         fc.evict_shm(ckpt)
         bar.update(2)
     bar.close()

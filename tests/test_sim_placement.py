@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_sim import COST, PROFILE
 from tetriinfer.bench.metrics import SLO
-from tetriinfer.sim.cost_model import ProfileCostModel
 from tetriinfer.sim.placement import (
     Layout,
     PlacementConfig,
@@ -18,15 +18,6 @@ from tetriinfer.sim.placement import (
     layout_cluster_config,
     max_rate_meeting,
 )
-
-PROFILE = {
-    "model": "test",
-    "prefill": [{"tokens": 16, "seconds": 0.012}, {"tokens": 128, "seconds": 0.06}, {"tokens": 512, "seconds": 0.22},
-                {"tokens": 1024, "seconds": 0.45}],
-    "decode": [{"batch": 1, "seconds": 0.011}, {"batch": 4, "seconds": 0.0154}, {"batch": 16, "seconds": 0.0347},
-               {"batch": 32, "seconds": 0.0469}],
-}
-COST = ProfileCostModel.from_profile(PROFILE)
 
 
 def step_at(threshold: float, calls: list[float]):

@@ -617,8 +617,9 @@ def wait_idle(base_url: str, timeout_s: float = 120.0, settle_s: float = 0.35) -
 
 
 @contextmanager
-def serve(model: str, mode: str, args: Sequence[str], startup_timeout_s: float) -> Iterator[str]:
-    """Start ``tetriinfer serve`` in ``mode`` on a free port; yield its base URL; stop it (SIGINT, then kill)."""
+def serve(model: str, mode: str, args: Sequence[str], startup_timeout_s: float, poll_s: float = 0.5) -> Iterator[str]:
+    """Start ``tetriinfer serve`` in ``mode`` on a free port; yield its base URL once ``/health`` answers (checked
+    every ``poll_s``); stop it (SIGINT, then kill)."""
     port = free_loopback_port()
     cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", model, "--mode", mode,
            "--port", str(port), *args]
@@ -643,7 +644,7 @@ def serve(model: str, mode: str, args: Sequence[str], startup_timeout_s: float) 
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tetriinfer serve ({mode}) not healthy after {startup_timeout_s} s:\n{tail()}")
-            time.sleep(0.5)
+            time.sleep(poll_s)
         yield base_url
     finally:
         if proc.poll() is None:

@@ -106,24 +106,9 @@ def _kv_blocks(args: argparse.Namespace, cost: Any, kv_per_token: int, block_siz
     return int(args.kv_cache_memory_gb * 1024**3 // (block_size * kv_per_token))
 
 
-def _mode_serve_args(modes: list[str], serve_args: list[str]) -> dict[str, tuple[str, ...]]:
-    """``--serve-arg [MODE:]ARGS`` -> extra ``serve`` arguments per mode (no prefix: every mode)."""
-    out: dict[str, list[str]] = {m: [] for m in modes}
-    for item in serve_args:
-        head, sep, rest = item.partition(":")
-        if sep and head in out and not head.startswith("-"):
-            out[head].extend(shlex.split(rest))
-        elif sep and not head.startswith("-") and " " not in head:
-            raise ValueError(f"--serve-arg {item!r}: {head!r} is not one of the searched modes {modes}")
-        else:
-            for m in modes:
-                out[m].extend(shlex.split(item))
-    return {m: tuple(v) for m, v in out.items()}
-
-
 def _placement(args: argparse.Namespace) -> int:
     from tetriinfer.bench.metrics import SLO
-    from tetriinfer.bench.side_by_side import save
+    from tetriinfer.bench.side_by_side import parse_columns, save
     from tetriinfer.sim.placement import (
         PlacementConfig,
         PlacementSearch,
@@ -134,8 +119,9 @@ def _placement(args: argparse.Namespace) -> int:
     )
 
     cost, mcfg, kv_per_token = _cost_model(args)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    layouts = candidate_layouts(modes, args.instances, _mode_serve_args(modes, args.serve_arg))
+    columns = parse_columns(args.modes, (), args.serve_arg)  # --serve-arg MODE:ARGS as in side-by-side
+    layouts = candidate_layouts([c.label for c in columns], args.instances,
+                                {c.label: c.serve_args for c in columns})
     max_len = args.max_model_len or mcfg.max_position_embeddings
     blocks = _kv_blocks(args, cost, kv_per_token, layout_cluster_config(layouts[0], args.model or "sim").block_size)
     cfg = PlacementConfig(
@@ -188,6 +174,22 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Request shapes, arrivals, links and the front end: what every simulation subcommand takes alike."""
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-output-tokens", type=int, default=None)
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
+    p.add_argument("--burstiness-cv", type=float, default=1.0)
+    p.add_argument("--length-source", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--link-bandwidth", default="200Gbps")
+    p.add_argument("--link-latency", default="0")
+    p.add_argument("--predictor-accuracy", type=float, default=1.0,
+                   help="with --serve-arg '--predictor oracle': share of exact buckets (the rest one bucket off)")
+    p.add_argument("--frontend-delay-ms", type=float, default=0.0,
+                   help="per request, arrival -> routed (HTTP, tokenization, messaging of a real front end)")
+
+
 def add_subparsers(subparsers: Any) -> None:
     p_sim = subparsers.add_parser("sim", help="simulate clusters with the same scheduling code (no GPU needed)")
     sub = p_sim.add_subparsers(dest="sim_command", metavar="SIM_COMMAND")
@@ -207,18 +209,7 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("--probe-concurrency", type=int, default=16)
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--prefill-instances", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
-    p.add_argument("--max-output-tokens", type=int, default=None)
-    p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
-    p.add_argument("--burstiness-cv", type=float, default=1.0)
-    p.add_argument("--length-source", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--link-bandwidth", default="200Gbps")
-    p.add_argument("--link-latency", default="0")
-    p.add_argument("--predictor-accuracy", type=float, default=1.0,
-                   help="with --serve-arg '--predictor oracle': share of exact buckets (the rest one bucket off)")
-    p.add_argument("--frontend-delay-ms", type=float, default=0.0,
-                   help="per request, arrival -> routed (HTTP, tokenization, messaging of a real front end)")
+    _add_workload_args(p)
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="MS")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS")
@@ -253,16 +244,7 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("--probe-requests", type=int, default=64)
     p.add_argument("--probe-concurrency", type=int, default=16, help="per instance")
     p.add_argument("--rel-tol", type=float, default=0.03, help="stop bisecting at this relative rate gap")
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
-    p.add_argument("--max-output-tokens", type=int, default=None)
-    p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
-    p.add_argument("--burstiness-cv", type=float, default=1.0)
-    p.add_argument("--length-source", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--link-bandwidth", default="200Gbps")
-    p.add_argument("--link-latency", default="0")
-    p.add_argument("--predictor-accuracy", type=float, default=1.0)
-    p.add_argument("--frontend-delay-ms", type=float, default=0.0)
+    _add_workload_args(p)
     p.add_argument("--out", required=True)
     p.add_argument("--md", default=None)
     p.add_argument("--plot", default=None, metavar="DIR")

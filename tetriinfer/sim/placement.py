@@ -25,7 +25,6 @@ its throughput gets goodput 0, never an extrapolation.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -171,12 +170,10 @@ def candidate_layouts(modes: Sequence[str], instances: int, serve_args: dict[str
 
 def layout_cluster_config(layout: Layout, model: str) -> ClusterConfig:
     """The layout's ``tetriinfer serve`` arguments parsed by the serve CLI's own parser."""
-    from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
+    from tetriinfer.sim.side_by_side import cluster_from_serve_args
 
-    parser = argparse.ArgumentParser(prog=f"layout {layout.label}", add_help=False)
-    add_cluster_args(parser)
-    args = parser.parse_args(["--mode", layout.mode, *layout.layout_args(), *layout.serve_args])
-    return cluster_config_from_args(args, model)
+    return cluster_from_serve_args(f"layout {layout.label}", layout.mode, [*layout.layout_args(), *layout.serve_args],
+                                   model)
 
 
 @dataclass(frozen=True)
@@ -226,6 +223,11 @@ class PlacementConfig:
             raise ValueError("probe_concurrency must be in [1, probe_requests)")
         if self.target_rate is not None and not self.target_rate > 0:
             raise ValueError(f"target_rate must be > 0, got {self.target_rate}")
+
+
+def _attainment(summary: dict[str, Any]) -> float:
+    sent = summary["num_requests"] - summary["rejected"]
+    return (summary["good_requests"] or 0) / sent if sent else 0.0
 
 
 class PlacementSearch:
@@ -280,14 +282,12 @@ class PlacementSearch:
     def attainment(self, records: list[Any], slo: SLO | None = None) -> float:
         """Share of the requests that fit the model (rejected ones are the same for every layout) meeting ``slo``
         (default: the configured one)."""
-        s = summarize(records, slo=slo or self.config.slo)
-        sent = s["num_requests"] - s["rejected"]
-        return (s["good_requests"] or 0) / sent if sent else 0.0
+        return _attainment(summarize(records, slo=slo or self.config.slo))
 
     def evaluate(self, layout: Layout, workload: str, rate: float) -> RatePoint:
         records = self.simulate_records(layout, workload, rate)
         s = summarize(records, slo=self.config.slo)
-        return RatePoint(rate, self.attainment(records), s["ttft"]["p90"], s["tpot"]["p90"], len(records))
+        return RatePoint(rate, _attainment(s), s["ttft"]["p90"], s["tpot"]["p90"], len(records))
 
     def search(self, layout: Layout, workload: str) -> dict[str, Any]:
         start = self.throughput(layout, workload)

@@ -99,16 +99,22 @@ class SimSideBySideConfig:
         return workload if len(self.rate_fractions) == 1 or self.rate is not None else f"{workload}@{fraction:.0%}"
 
 
-def cluster_config_for(column: Column, cfg: SimSideBySideConfig) -> ClusterConfig:
-    """The column's ``tetriinfer serve`` arguments (layout first, then the column's own) parsed by the serve CLI."""
+def cluster_from_serve_args(name: str, mode: str, argv: Sequence[str], model: str) -> ClusterConfig:
+    """``tetriinfer serve --mode MODE ARGV`` parsed by the serve CLI's own parser: a simulated cluster means the
+    same policies as the real one."""
     from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
 
-    parser = argparse.ArgumentParser(prog=f"column {column.label}", add_help=False)
+    parser = argparse.ArgumentParser(prog=name, add_help=False)
     add_cluster_args(parser)
+    return cluster_config_from_args(parser.parse_args(["--mode", mode, *argv]), model)
+
+
+def cluster_config_for(column: Column, cfg: SimSideBySideConfig) -> ClusterConfig:
+    """The column's ``tetriinfer serve`` arguments (layout first, then the column's own) parsed by the serve CLI."""
     assert column.mode is not None
-    args = parser.parse_args(["--mode", column.mode, *layout_args(column.mode, cfg.instances, cfg.num_prefill),
-                              *column.serve_args])
-    return cluster_config_from_args(args, cfg.model)
+    return cluster_from_serve_args(f"column {column.label}", column.mode,
+                                   [*layout_args(column.mode, cfg.instances, cfg.num_prefill), *column.serve_args],
+                                   cfg.model)
 
 
 class SimSideBySide:
