@@ -3,7 +3,9 @@
 For each dtype, model and batch size: one decode step of B requests over a context of --context tokens through
 the engine's runner (one torch thread, as a serving instance), best of --repeats, in alternating subprocesses
 (kernels on, off, on, off, ... --rounds each; best per setting), so a noisy spell hits both sides.
-Usage: python benchmarks/bench_decode_kernels.py [--out docs/decode_kernels.md]
+``--baseline-rev REV`` adds a third setting: the kernels built from ``decode_kernels.c`` as it was at git revision
+REV (a kernel change measured against its predecessor in the same run).
+Usage: python benchmarks/bench_decode_kernels.py [--baseline-rev HEAD~1] [--out docs/decode_kernels.md]
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
@@ -22,6 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 CHILD = r"""
 import json, sys, time, torch
+from pathlib import Path
+from tetriinfer.engine import cpu_kernels
+if len(sys.argv) > 6:
+    cpu_kernels.SOURCE = Path(sys.argv[6])  # the baseline's kernels (built and cached under their own digest)
 from tetriinfer import LLM
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind
@@ -52,9 +59,11 @@ print(json.dumps(out))
 """
 
 
-def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, kernels: bool) -> dict[int, float]:
+def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, kernels: bool,
+              source: Path | None = None) -> dict[int, float]:
     env = {**os.environ, "TETRIINFER_CPU_KERNELS": "1" if kernels else "0", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", CHILD, model, dtype, str(ctx), str(repeats), batches], env=env,
+    argv = [sys.executable, "-c", CHILD, model, dtype, str(ctx), str(repeats), batches]
+    done = subprocess.run(argv + ([str(source)] if source is not None else []), env=env,
                           capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
@@ -69,8 +78,17 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline-rev", default=None,
+                    help="also time the kernels of decode_kernels.c at this git revision (e.g. HEAD~1)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "decode_kernels.md")
     args = ap.parse_args()
+    baseline_source: Path | None = None
+    if args.baseline_rev is not None:
+        rel = "tetriinfer/engine/csrc/decode_kernels.c"
+        text = subprocess.run(["git", "show", f"{args.baseline_rev}:{rel}"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+        baseline_source = Path(tempfile.mkdtemp(prefix="tetri-kernels-")) / "decode_kernels.c"
+        baseline_source.write_text(text)
     if not kernels_available():
         print("the native kernels are not available here (no AVX2/FMA or no C compiler): nothing to compare")
         return 1
@@ -80,24 +98,36 @@ def main() -> int:
     cases = [("tiny-llama", str(default_model_path()), "float32", "1,4,8,16,64"),
              ("small-llama", str(small), "float32", "1,4,16"),
              ("small-llama", str(small), "bfloat16", "1,4,16")]
-    best: dict[tuple[str, str, bool], dict[int, float]] = {}
-    jobs = [(c, k) for c in cases for _ in range(args.rounds) for k in (True, False)]
-    for (name, path, dtype, batches), kernels in tqdm(jobs, desc="decode steps", unit="run"):
-        got = run_child(path, dtype, args.context, args.repeats, batches, kernels)
-        key = (name, dtype, kernels)
+    settings = ["on", "off"] + (["baseline"] if baseline_source is not None else [])
+    best: dict[tuple[str, str, str], dict[int, float]] = {}
+    jobs = [(c, k) for c in cases for _ in range(args.rounds) for k in settings]
+    for (name, path, dtype, batches), setting in tqdm(jobs, desc="decode steps", unit="run"):
+        got = run_child(path, dtype, args.context, args.repeats, batches, setting != "off",
+                        baseline_source if setting == "baseline" else None)
+        key = (name, dtype, setting)
         best[key] = {b: min(t, best.get(key, {}).get(b, float("inf"))) for b, t in got.items()}
     lines = ["# Native CPU decode kernels: decode step time on vs off", "",
              f"`python benchmarks/bench_decode_kernels.py` on {os.cpu_count()} CPU cores, one torch thread; one decode "
              f"step of B requests over {args.context}-token contexts through the engine's runner; best of "
-             f"{args.repeats} steps x {args.rounds} alternating rounds per setting (same run).", "",
-             "| model | dtype | batch | kernels on ms | kernels off ms | speedup |", "|---|---|---:|---:|---:|---:|"]
+             f"{args.repeats} steps x {args.rounds} alternating rounds per setting (same run)."
+             + (f" Baseline: the kernels of git revision `{args.baseline_rev}`." if baseline_source else ""), ""]
+    if baseline_source is None:
+        lines += ["| model | dtype | batch | kernels on ms | kernels off ms | speedup |", "|---|---|---:|---:|---:|---:|"]
+    else:
+        lines += [f"| model | dtype | batch | kernels on ms | {args.baseline_rev} kernels ms | kernels off ms | "
+                  f"on vs {args.baseline_rev} | on vs off |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, _, dtype, batches in cases:
-        on, off = best[(name, dtype, True)], best[(name, dtype, False)]
+        on, off = best[(name, dtype, "on")], best[(name, dtype, "off")]
         for b in (int(x) for x in batches.split(",")):
-            lines.append(f"| {name} | {dtype} | {b} | {on[b] * 1e3:.1f} | {off[b] * 1e3:.1f} | "
-                         f"{off[b] / on[b]:.2f}x |")
+            if baseline_source is None:
+                lines.append(f"| {name} | {dtype} | {b} | {on[b] * 1e3:.1f} | {off[b] * 1e3:.1f} | "
+                             f"{off[b] / on[b]:.2f}x |")
+            else:
+                base = best[(name, dtype, "baseline")]
+                lines.append(f"| {name} | {dtype} | {b} | {on[b] * 1e3:.1f} | {base[b] * 1e3:.1f} | "
+                             f"{off[b] * 1e3:.1f} | {base[b] / on[b]:.2f}x | {off[b] / on[b]:.2f}x |")
     lines += ["", "Kernels on: fp32 and bf16 decode attention read K/V in place from the paged cache; linear "
-              "layers of few rows use the native matmul (fp32: up to 32 rows; bf16: fewer than 16 rows, on CPUs "
+              "layers of few rows use the native matmul (fp32: up to 48 rows; bf16: fewer than 16 rows, on CPUs "
               "without bf16 instructions), which reads each group of four weight rows once and applies it to the "
               "whole batch. Off: torch's gather + SDPA and torch's linear layers.", ""]
     args.out.write_text("\n".join(lines))
