@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -36,6 +35,7 @@ from tetriinfer.net import free_loopback_port
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.runtime.engine_client import TokenEvent
 from tetriinfer.runtime.instance_spec import InstanceSpec, encode_spec
+from tetriinfer.runtime.launcher import InstanceProcess, LocalLauncher, RayLauncher, Slot, make_launcher
 from tetriinfer.runtime.messages import (
     Abort,
     DecodeLoads,
@@ -44,6 +44,8 @@ from tetriinfer.runtime.messages import (
     NewRequest,
     PeerTable,
     PredictorStat,
+    Retire,
+    Retired,
     RoleSwitched,
     SetRole,
     Shutdown,
@@ -61,12 +63,26 @@ from tetriinfer.runtime.worker_base import load_from_wire
 class InstanceInfo:
     instance_id: str
     role: str
-    process: subprocess.Popen
+    process: InstanceProcess
     hello: Hello | None = None
     load: WireLoad | None = None
     socket: zmq.asyncio.Socket | None = None
     last_seen: float = 0.0
     flips: int = 0
+    node: str = ""  # the machine it runs on (the launcher's placement)
+    slot: Slot | None = None
+    retiring: bool = False  # scale-in: not routed or dispatched to; drains, then exits (Retire -> Retired)
+    retired: Retired | None = None
+    replacing: bool = False  # died; a replacement is starting (--replace-dead)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def routable(self) -> bool:
+        """May receive new work: alive and not being removed."""
+        return self.alive and not self.retiring
 
 
 @dataclass
@@ -103,6 +119,10 @@ class ClusterEngineClient:
                        idle_by=config.flip_idle_by)
         )
         self.flip_log: list[dict[str, Any]] = []
+        self.scale_log: list[dict[str, Any]] = []  # add / remove / replace events, in order
+        self._next_id: dict[str, int] = {}  # role -> next instance number (ids are never reused)
+        self._front_address = ""
+        self._scale_lock = asyncio.Lock()  # one membership change at a time
         self.transfer_log = {"count": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.num_kept_decodes = 0  # requests a prefill instance decoded itself (--keep-decode)
         self.ttft_by_prefill_role: dict[str, list] = {}  # role -> [requests, summed TTFT seconds]
@@ -114,6 +134,7 @@ class ClusterEngineClient:
         self._started = False
         self._closing = False
         self._kv_init_method = ""  # torchdist rendezvous, chosen at start
+        self._launcher: LocalLauncher | RayLauncher | None = None
 
     # ---- EngineClient ----------------------------------------------------------------------
     @property
@@ -124,6 +145,18 @@ class ClusterEngineClient:
         return self._started and not self._closing and all(i.process.poll() is None for i in self.instances.values())
 
     async def start(self) -> None:
+        """Place and start the instances, load the tokenizer meanwhile, wait for every instance's hello, hand out
+        the peer table. On any failure every started instance is stopped and the launcher closed."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._kill_all()
+            if self._launcher is not None:
+                self._launcher.close()
+                self._launcher = None
+            raise
+
+    async def _start(self) -> None:
         from tetriinfer.engine.tokenizer_loader import load_tokenizer
 
         if self.config.load_format in ("fast", "fast-shm"):
@@ -132,53 +165,190 @@ class ClusterEngineClient:
             from tetriinfer.engine.loader import parse_dtype
 
             await asyncio.to_thread(ensure_checkpoint, self.config.model, parse_dtype(self.config.dtype))
+        c = self.config
+        self._launcher = await asyncio.to_thread(
+            make_launcher, c.launcher, ray_address=c.ray_address, cores_per_instance=c.cores_per_instance,
+            device=c.device, placement_timeout_s=c.startup_timeout_s)
+        roles = c.roles()
+        slots = await asyncio.to_thread(self._launcher.place, len(roles))
+        if c.kv_backend.split(":")[-1] == "shm" and len({s.node for s in slots}) > 1:
+            raise RuntimeError(f"kv backend {c.kv_backend!r} needs every instance on one host; Ray placed them on "
+                               f"{len({s.node for s in slots})} nodes (use --kv-backend tcp)")
+        front_host = self._launcher.frontend_host()
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
-        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
-        address = f"tcp://127.0.0.1:{port}"
-        if self.config.kv_backend.split(":")[-1] == "torchdist":
+        port = self._pull.bind_to_random_port(f"tcp://{front_host}")
+        address = f"tcp://{front_host}:{port}"
+        if c.kv_backend.split(":")[-1] == "torchdist":
             self._kv_init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
-        for index, role in enumerate(self.config.roles()):
-            iid = f"{role[0]}{sum(1 for r in self.config.roles()[:index] if r == role)}"
-            iid = {"p": "prefill-", "d": "decode-", "c": "instance-"}[iid[0]] + iid[1:]
-            spec = self._spec(iid, role, index, address)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tetriinfer.runtime.instance", encode_spec(spec).hex()],
-                env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
-            )
-            self.instances[iid] = InstanceInfo(iid, role, proc)
+        self._front_address = address
+        for slot, role in zip(slots, roles, strict=True):
+            await self._launch(role, slot)
         # The tokenizer loads (seconds: transformers' import) while the instances start, not before.
         if self.config.load_format != "dummy":
-            try:
-                self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
-            except BaseException:
-                await self._kill_all()
-                raise
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
         eos = self._model_config.eos_token_id
         if eos is None and self._tokenizer is not None:
             eos = self._tokenizer.eos_token_id
         self.eos_token_id = eos
         await self._await_hellos()
-        table = {i.instance_id: i.hello.address for i in self.instances.values() if i.hello}
         for info in self.instances.values():
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 500)
-            sock.connect(info.hello.address)  # type: ignore[union-attr]
-            info.socket = sock
-            await sock.send(encode(PeerTable(table)))
+            self._connect(info)
+        await self._send_peer_table()
         self._started = True
         self._tasks.append(asyncio.create_task(self._receive_loop()))
         self._tasks.append(asyncio.create_task(self._monitor_loop()))
 
-    def _spec(self, iid: str, role: str, index: int, frontend: str) -> InstanceSpec:
+    async def _launch(self, role: str, slot: Slot) -> InstanceInfo:
+        """Start one instance of ``role`` in ``slot`` (its id: the role's next number) and add it to the table."""
+        n = self._next_id.get(role, 0)
+        self._next_id[role] = n + 1
+        iid = {"prefill": "prefill-", "decode": "decode-", "colocated": "instance-"}[role] + str(n)
+        spec = self._spec(iid, role, slot, self._front_address)
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        assert self._launcher is not None
+        proc = await asyncio.to_thread(
+            self._launcher.start, slot, ["-m", "tetriinfer.runtime.instance", encode_spec(spec).hex()], env)
+        info = InstanceInfo(iid, role, proc, node=slot.node, slot=slot)
+        self.instances[iid] = info
+        return info
+
+    def _connect(self, info: InstanceInfo) -> None:
+        assert self._ctx is not None and info.hello is not None
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(info.hello.address)
+        info.socket = sock
+
+    async def _send_peer_table(self) -> None:
+        """Every connected instance learns the current membership (added ones appear, removed ones vanish)."""
+        table = {i.instance_id: i.hello.address for i in self.instances.values() if i.hello and i.alive}
+        for info in self.instances.values():
+            if info.socket is not None and info.alive:
+                with contextlib.suppress(zmq.ZMQError):
+                    await info.socket.send(encode(PeerTable(table)))
+
+    # ---- membership: scale out / in, replace the dead --------------------------------------
+    def _roles_allowed(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.config.disaggregated else ("colocated",)
+
+    async def add_instance(self, role: str, *, action: str = "add") -> dict[str, Any]:
+        """Scale out: place and start one instance of ``role`` while serving, wait for its hello, tell every
+        instance the new membership. It receives work from its first load report on (routing and the decode-load
+        broadcast only consider instances that have reported). Raises ValueError for a role this mode has no use
+        for or a KV backend with a fixed membership; RuntimeError when it cannot start (nothing is left behind)."""
+        if role not in self._roles_allowed():
+            raise ValueError(f"mode {self.config.mode!r} runs {' and '.join(self._roles_allowed())} instances, "
+                             f"not {role!r}")
+        if self.config.kv_backend.split(":")[-1] == "torchdist":
+            raise ValueError("kv backend 'torchdist' has a fixed world size: instances cannot be added")
+        if not self._started or self._closing:
+            raise RuntimeError("the cluster is not running")
+        async with self._scale_lock:
+            assert self._launcher is not None
+            t0 = time.perf_counter()
+            slot = (await asyncio.to_thread(self._launcher.place, 1))[0]
+            if self.config.kv_backend.split(":")[-1] == "shm" and any(
+                    i.node != slot.node for i in self.instances.values() if i.alive):
+                self._launcher.release(slot)
+                raise ValueError("kv backend 'shm' needs every instance on one host; the new one was placed on "
+                                 "another node")
+            info = await self._launch(role, slot)
+            deadline = time.monotonic() + self.config.startup_timeout_s
+            while info.hello is None:
+                failed = (f"exited with code {info.process.returncode} during startup" if not info.alive
+                          else "did not start in time" if time.monotonic() > deadline else None)
+                if failed:
+                    if info.alive:
+                        info.process.kill()
+                    await asyncio.to_thread(info.process.wait, 30)
+                    self.instances.pop(info.instance_id, None)
+                    self._launcher.release(slot)
+                    raise RuntimeError(f"new {role} instance {info.instance_id} {failed}")
+                await asyncio.sleep(0.05)
+            self._connect(info)
+            await self._send_peer_table()
+            entry = {"action": action, "instance": info.instance_id, "role": role, "node": slot.node,
+                     "startup_s": time.perf_counter() - t0, "time": time.time()}
+            self.scale_log.append(entry)
+            return entry
+
+    async def remove_instance(self, instance_id: str, *, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Scale in: stop routing and dispatching to the instance, let it finish everything it holds (queued
+        prompts, transfers, running decodes), then it exits and leaves the membership. No request is lost: the
+        instance is only told to retire after prefill instances have seen a decode-load broadcast without it, and
+        it waits out a grace period of emptiness for dispatches decided before that. Refuses (ValueError) to
+        remove the last live instance that can prefill, or the last decode instance of a disaggregated cluster.
+        A dead instance is just dropped from the table. KeyError: no such instance."""
+        async with self._scale_lock:
+            info = self.instances.get(instance_id)
+            if info is None:
+                raise KeyError(instance_id)
+            if info.retiring:
+                raise ValueError(f"instance {instance_id} is already being removed")
+            t0 = time.perf_counter()
+            if info.alive:
+                others = [i for i in self.instances.values() if i.routable and i is not info]
+                if not any(i.role == info.role for i in others):
+                    raise ValueError(f"{instance_id} is the last live {info.role} instance: add another first")
+                info.retiring = True
+                if self.config.flip:
+                    self.flip_policy.remove(instance_id)
+                # two broadcasts without it before it is told to retire: prefill instances stop dispatching to it
+                await asyncio.sleep(2.5 * self.config.report_interval_s)
+                assert info.socket is not None
+                await info.socket.send(encode(Retire(grace_s=max(0.3, 3 * self.config.report_interval_s))))
+                deadline = time.monotonic() + timeout_s
+                while info.retired is None and info.alive and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if info.retired is None and info.alive:
+                    info.retiring = False  # give it back its work rather than kill what it holds
+                    raise RuntimeError(f"{instance_id} did not drain within {timeout_s:.0f} s; it keeps serving")
+                try:
+                    await asyncio.to_thread(info.process.wait, 30)
+                except subprocess.TimeoutExpired:
+                    info.process.kill()
+                    await asyncio.to_thread(info.process.wait, 30)
+            entry = {"action": "remove", "instance": instance_id, "role": info.role, "node": info.node,
+                     "drain_s": info.retired.drain_s if info.retired else None,
+                     "total_s": time.perf_counter() - t0, "was_dead": info.retired is None, "time": time.time()}
+            self._forget(info)
+            await self._send_peer_table()
+            self.scale_log.append(entry)
+            return entry
+
+    def _forget(self, info: InstanceInfo) -> None:
+        self.instances.pop(info.instance_id, None)
+        if info.socket is not None:
+            info.socket.close(linger=0)
+        if self._launcher is not None and info.slot is not None:
+            self._launcher.release(info.slot)
+        if self.config.flip:
+            self.flip_policy.remove(info.instance_id)
+
+    async def _replace(self, dead: InstanceInfo) -> None:
+        """--replace-dead: a dead instance (its requests already ended with an error) leaves the table and a new
+        one of its role takes its place (on a warm host with --load-format fast-shm, in about a second)."""
+        async with self._scale_lock:
+            self._forget(dead)
+            self.scale_log.append({"action": "died", "instance": dead.instance_id, "role": dead.role,
+                                   "node": dead.node, "exit_code": dead.process.returncode, "time": time.time()})
+        try:
+            await self.add_instance(dead.role, action="replace")
+        except Exception as e:  # noqa: BLE001 - recorded; the cluster keeps serving with what it has
+            self.scale_log.append({"action": "replace-failed", "role": dead.role, "error": str(e),
+                                   "time": time.time()})
+
+    def _spec(self, iid: str, role: str, slot: Slot, frontend: str) -> InstanceSpec:
         c = self.config
         pol = c.role_policies()
+        index = slot.index
         return InstanceSpec(
-            instance_id=iid, role=role, frontend_address=frontend, model=c.model, dtype=c.dtype,
+            instance_id=iid, role=role, frontend_address=frontend, model=c.model, host=slot.host, dtype=c.dtype,
             device=c.device, load_format=c.load_format, chunk_size=c.chunk_size, block_size=c.block_size,
             pad_last_chunk=c.pad_last_chunk,
             num_kv_blocks=c.num_kv_blocks, kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
-            max_model_len=self.max_model_len, cpu_cores=c.cores_for(index),
+            max_model_len=self.max_model_len, cpu_cores=c.cores_for(slot.local_index),
             num_threads=c.cores_per_instance if c.device == "cpu" else None, seed=c.seed + index,
             prefill_policy=pol.prefill_policy, prefill_sched_batch=c.prefill_sched_batch,
             dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
@@ -234,6 +404,8 @@ class ClusterEngineClient:
             self._pull.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
+        if self._launcher is not None:
+            self._launcher.close()
 
     async def _kill_all(self, grace_s: float = 0.0) -> None:
         deadline = time.monotonic() + grace_s
@@ -303,11 +475,19 @@ class ClusterEngineClient:
         acc[1] += rec.ttft
 
     async def _route(self, request_id: str) -> str:
+        """The instance that prefills this request; only live instances are candidates (a dead one's last load
+        report stays in the table). Raises when no instance that can prefill is alive."""
         while True:
-            loads = [load_from_wire(i.load) for i in self.instances.values() if i.load is not None]
+            live = [i for i in self.instances.values() if i.routable]
+            if not any(i.role in ("prefill", "colocated") or (self.config.local_prefill and i.role == "decode")
+                       for i in live):
+                raise RuntimeError("no live instance can prefill this request (see /cluster)")
+            if self.config.disaggregated and not self.config.keep_decode and not any(i.role == "decode" for i in live):
+                raise RuntimeError("no live decode instance (see /cluster)")
+            loads = [load_from_wire(i.load) for i in live if i.load is not None]
             loads = self.flip_policy.annotate(loads) if self.config.flip else loads
             if not loads:  # before the first reports: route by index
-                firsts = [i.instance_id for i in self.instances.values() if i.role in ("prefill", "colocated")]
+                firsts = [i.instance_id for i in live if i.role in ("prefill", "colocated")]
                 loads = [LoadReport(iid, Role.PREFILL) for iid in firsts]
             iid = self.policy.route(request_id, loads, time.time())
             if iid is not None:
@@ -397,6 +577,15 @@ class ClusterEngineClient:
                     self.metrics.observe_transfer(msg.num_bytes, msg.seconds, backend=msg.backend, outcome=msg.outcome)
             elif isinstance(msg, RoleSwitched):
                 self._on_switched(msg)
+            elif isinstance(msg, Hello):  # an instance added while serving
+                info = self.instances.get(msg.instance_id)
+                if info is not None and info.hello is None:
+                    info.hello = msg
+                    info.last_seen = time.time()
+            elif isinstance(msg, Retired):
+                info = self.instances.get(msg.instance_id)
+                if info is not None:
+                    info.retired = msg
             elif isinstance(msg, PredictorStat):
                 self.predictor_log["count"] += len(msg.latencies_s)
                 self.predictor_log["seconds"] += sum(msg.latencies_s)
@@ -421,7 +610,7 @@ class ClusterEngineClient:
         while True:
             await asyncio.sleep(interval)
             self._check_processes()
-            loads = [load_from_wire(i.load) for i in self.instances.values() if i.load is not None]
+            loads = [load_from_wire(i.load) for i in self.instances.values() if i.load is not None and i.routable]
             if self.config.flip and self.config.disaggregated and loads:
                 for cmd in self.flip_policy.observe(loads, time.time()):
                     info = self.instances[cmd.instance_id]
@@ -430,8 +619,9 @@ class ClusterEngineClient:
                 loads = self.flip_policy.annotate(loads)
             if not self.config.disaggregated:
                 continue
-            decode_loads = [
-                i.load for i in self.instances.values() if i.load is not None and i.load.role == "decode"
+            decode_loads = [  # live ones only: prefill instances must not dispatch to a dead decode instance
+                i.load for i in self.instances.values()
+                if i.load is not None and i.load.role == "decode" and i.routable
             ]
             annotated = {r.instance_id: r for r in loads}
             from tetriinfer.runtime.worker_base import wire_load
@@ -442,13 +632,18 @@ class ClusterEngineClient:
                 payload.append(encode(wire_load(replace(rep), w.busy_s, w.steps)))
             msg = encode(DecodeLoads(payload))
             for info in self.instances.values():
-                if info.role == "prefill" and info.socket is not None:
+                if info.role == "prefill" and info.socket is not None and info.alive:
                     await info.socket.send(msg)
 
     def _check_processes(self) -> None:
-        dead = [i for i in self.instances.values() if i.process.poll() is not None]
+        dead = [i for i in self.instances.values() if not i.alive and not i.retiring]
         if not dead or self._closing:
             return
+        if self.config.replace_dead and self._started:
+            for info in dead:
+                if not info.replacing:
+                    info.replacing = True
+                    self._tasks.append(asyncio.create_task(self._replace(info)))
         names = {i.instance_id for i in dead}
         for stream in list(self.streams.values()):
             if stream.instances & names and not stream.finished:
@@ -466,6 +661,9 @@ class ClusterEngineClient:
                 "role": info.role,
                 "pid": info.process.pid,
                 "host": hello.host if hello else None,
+                "node": info.node,
+                "retiring": info.retiring,
+                "address": hello.address if hello else None,
                 "state": (load.state if load else "starting") if alive else "dead",
                 "kv_blocks_used": load.num_used_blocks if load else 0,
                 "kv_blocks_total": hello.kv_blocks_total if hello else 0,
@@ -481,6 +679,7 @@ class ClusterEngineClient:
             "mode": self.config.mode,
             "instances": out,
             "flips": list(self.flip_log),
+            "scaling": list(self.scale_log),
             "transfers": dict(self.transfer_log),
             "predictor": dict(self.predictor_log),
             "local_prefills": self.policy.num_local_prefills,

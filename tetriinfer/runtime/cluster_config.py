@@ -83,6 +83,9 @@ class ClusterConfig:
     pin_cores: bool = True
     seed: int = 0
     startup_timeout_s: float = 180.0
+    launcher: str = "local"  # local | ray (runtime.launcher): where instance processes run
+    ray_address: str = "auto"  # --launcher ray: auto | local | HOST:PORT of the Ray head
+    replace_dead: bool = False  # start a new instance of a dead one's role (its requests still end with an error)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -107,6 +110,13 @@ class ClusterConfig:
             raise ValueError("report_interval_s must be > 0")
         if self.local_prefill_weight < 0:
             raise ValueError("local_prefill_weight must be >= 0")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.launcher not in ("local", "ray"):
+            raise ValueError(f"launcher must be local or ray, got {self.launcher!r}")
+        if self.launcher == "ray" and self.kv_backend.split(":")[-1] in ("torchdist", "inproc"):
+            raise ValueError(f"--launcher ray places instances on several hosts: kv backend {self.kv_backend!r} "
+                             "cannot cross hosts (use tcp or nixl; shm works only when all land on one host)")
         if not self.keep_decode_ratio > 0:
             raise ValueError(f"keep_decode_ratio must be > 0, got {self.keep_decode_ratio}")
 

@@ -26,6 +26,8 @@ from tetriinfer.runtime.messages import (
     Message,
     PeerTable,
     PredictorStat,
+    Retire,
+    Retired,
     RoleSwitched,
     SetRole,
     Shutdown,
@@ -49,6 +51,8 @@ def make_transfer_backend(spec: InstanceSpec):
     if base == "torchdist":  # one rank per instance; construction is collective (all instances start together)
         backend = make_backend(base, config=config, rank=spec.kv_rank, world_size=spec.kv_world_size,
                                init_method=spec.kv_init_method)
+    elif base == "tcp":
+        backend = make_backend(base, config=config, host=spec.host)
     else:
         backend = make_backend(base, config=config)
     if spec.link_bandwidth:
@@ -76,8 +80,8 @@ class Instance:
         parts = build_runner(engine_config)
         self.zctx = zmq.Context()
         self.pull = self.zctx.socket(zmq.PULL)
-        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        port = self.pull.bind_to_random_port(f"tcp://{spec.host}")
+        self.address = f"tcp://{spec.host}:{port}"
         self.front = self.zctx.socket(zmq.PUSH)
         self.front.setsockopt(zmq.LINGER, 1000)
         self.front.connect(spec.frontend_address)
@@ -99,6 +103,8 @@ class Instance:
         self.state = InstanceState.ACTIVE
         self.target_role: str | None = None
         self.drain_started = 0.0
+        self.retire: Retire | None = None  # scale-in requested: drain, then exit
+        self._empty_since: float | None = None
         self.busy_s = 0.0
         self.steps = 0
         self._busy_since_report = 0.0
@@ -152,6 +158,8 @@ class Instance:
                 self._flush()
                 self._maybe_flip()
                 self._maybe_report()
+                if self.retire is not None and self._retired():
+                    return
                 if os.getppid() != self._parent:  # front end died: do not linger as an orphan
                     return
         finally:
@@ -162,6 +170,15 @@ class Instance:
             return False
         if isinstance(msg, PeerTable):
             self.peer_addresses = dict(msg.addresses)
+            for gone in set(self.peers) - set(self.peer_addresses):  # retired or replaced peers
+                self.peers.pop(gone).close(linger=0)
+        elif isinstance(msg, Retire):
+            if self.retire is None:
+                self.retire = msg
+                self.target_role = None  # a pending flip is moot
+                self.state = InstanceState.DRAINING
+                self.drain_started = time.perf_counter()
+                self._report(force=True)
         elif isinstance(msg, SetRole):
             if msg.role != self.role and msg.role in WORKERS:
                 if self.state is InstanceState.ACTIVE:
@@ -192,6 +209,21 @@ class Instance:
         switch_s = time.perf_counter() - t_switch
         self._send_front(RoleSwitched(self.spec.instance_id, self.role, drain_s, switch_s))
         self._report(force=True)
+
+    def _retired(self) -> bool:
+        """Scale-in: True once the worker has been empty for the grace period (then ``Retired`` is sent)."""
+        assert self.retire is not None
+        now = time.perf_counter()
+        if not self.worker.is_empty():
+            self._empty_since = None
+            return False
+        if self._empty_since is None:
+            self._empty_since = now
+        if now - self._empty_since < self.retire.grace_s:
+            return False
+        self.ctx.kv_manager.check_invariants()
+        self._send_front(Retired(self.spec.instance_id, now - self.drain_started))
+        return True
 
     def _maybe_report(self) -> None:
         self._report(force=False)

@@ -15,6 +15,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     role: str  # prefill | decode | colocated
     frontend_address: str
     model: str
+    host: str = "127.0.0.1"  # the address this instance binds (control socket, KV data) and peers dial
     dtype: str = "float32"
     device: str = "cpu"
     load_format: str = "auto"

@@ -92,6 +92,14 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
+class Retire(msgspec.Struct, tag=True, frozen=True):
+    """Scale-in: stop accepting work (state DRAINING: not routed to, not dispatched to), finish everything held,
+    and once empty for ``grace_s`` (a dispatch decided before peers saw the drain may still land) report
+    ``Retired`` and exit."""
+
+    grace_s: float = 0.3
+
+
 # ---- instance -> instance ----------------------------------------------------------------------
 class Handoff(msgspec.Struct, tag=True, frozen=True):
     """Prefill -> decode: a prefilled request (first token sampled); its KV waits at ``prefill_id``."""
@@ -197,6 +205,13 @@ class PredictorStat(msgspec.Struct, tag=True, frozen=True):
     latencies_s: list[float]
 
 
+class Retired(msgspec.Struct, tag=True, frozen=True):
+    """Instance -> front end: drained after ``Retire`` (``drain_s`` from Retire to empty); the process exits."""
+
+    instance_id: str
+    drain_s: float
+
+
 class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
     instance_id: str
     role: str
@@ -205,9 +220,9 @@ class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
 
 
 Message = (
-    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Handoff | PrefillDone | KVReady | KVDone
-    | Hello
-    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | PredictorStat
+    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Retire | Handoff | PrefillDone | KVReady
+    | KVDone | Hello
+    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | Retired | PredictorStat
 )
 
 _encoder = msgspec.msgpack.Encoder()

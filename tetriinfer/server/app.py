@@ -2,7 +2,9 @@
 
 ``build_app(client, served_model_name=..., api_key=...)`` returns the app. Routes:
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SSE or not), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, ``GET /cluster``, ``GET /version``.
+``GET /health``, ``GET /metrics``, ``GET /cluster``, ``GET /version``; on a multi-instance server also
+``POST /cluster/instances`` (``{"role": ...}``: scale out by one) and ``DELETE /cluster/instances/{id}`` (scale in:
+drain, then stop), both under the API key like ``/cluster``.
 
 Behaviour (vLLM's, which users compare against):
 - ``max_tokens`` when absent: completions 16 (OpenAI's and vLLM's default), chat the whole context left
@@ -36,6 +38,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -71,6 +74,10 @@ T = TypeVar("T")
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 _DISCONNECT_POLL_S = 0.25
 _PROTECTED_PREFIXES = ("/v1/", "/cluster")
+
+
+class AddInstanceRequest(pydantic.BaseModel):
+    role: str  # prefill | decode (disaggregated modes), colocated (colocated modes)
 
 
 class _Disconnected(Exception):
@@ -687,6 +694,32 @@ def build_app(
     @app.get("/cluster")
     async def cluster() -> dict[str, Any]:
         return client.cluster_info()
+
+    @app.post("/cluster/instances")
+    async def add_instance(body: AddInstanceRequest) -> dict[str, Any]:
+        """Scale out by one instance of ``role``; answers when it has started (its startup time included)."""
+        if not hasattr(client, "add_instance"):
+            raise StarletteHTTPException(400, "this server runs one in-process engine: it has no instances to add")
+        try:
+            return await client.add_instance(body.role)
+        except ValueError as exc:
+            raise StarletteHTTPException(400, str(exc)) from exc
+        except RuntimeError as exc:
+            raise StarletteHTTPException(503, str(exc)) from exc
+
+    @app.delete("/cluster/instances/{instance_id}")
+    async def remove_instance(instance_id: str) -> dict[str, Any]:
+        """Scale in: drain the instance (nothing it holds is lost), then stop it; answers when it has left."""
+        if not hasattr(client, "remove_instance"):
+            raise StarletteHTTPException(400, "this server runs one in-process engine: it has no instances")
+        try:
+            return await client.remove_instance(instance_id)
+        except KeyError as exc:
+            raise StarletteHTTPException(404, f"no instance {instance_id!r}") from exc
+        except ValueError as exc:
+            raise StarletteHTTPException(409, str(exc)) from exc
+        except RuntimeError as exc:
+            raise StarletteHTTPException(503, str(exc)) from exc
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -72,6 +72,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "usage, how much batching slows each step vs batch 1)")
     p.add_argument("--report-interval", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--launcher", default="local", choices=["local", "ray"],
+                   help="where instance processes run: this machine (local) or the nodes of a Ray cluster (ray: one "
+                        "actor per instance holding --cores-per-instance CPUs, and a GPU on CUDA; control and KV "
+                        "traffic go between the nodes' addresses over our own TCP/NIXL path)")
+    p.add_argument("--replace-dead", action=argparse.BooleanOptionalAction, default=False,
+                   help="start a new instance in place of one that dies (its in-flight requests still end with an "
+                        "error); /cluster lists the events under 'scaling'")
+    p.add_argument("--startup-timeout", type=float, default=180.0,
+                   help="seconds to place every instance and hear from it before giving up (and stopping them all)")
+    p.add_argument("--ray-address", default="auto",
+                   help="with --launcher ray: auto (the cluster `ray start` made here), local (a private "
+                        "single-node Ray), or HOST:PORT of the head")
     faults = p.add_argument_group("fault injection (testing; with --kv-backend faulty[:tcp|shm])")
     faults.add_argument("--fault-drop-p", type=float, default=0.0)
     faults.add_argument("--fault-delay-p", type=float, default=0.0)
@@ -99,6 +111,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
         flip_idle_by=args.flip_idle_by,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
+        launcher=args.launcher, ray_address=args.ray_address, startup_timeout_s=args.startup_timeout,
+        replace_dead=args.replace_dead,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )
 

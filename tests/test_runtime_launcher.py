@@ -1,0 +1,197 @@
+"""Launchers: instance processes on this machine or on a Ray cluster (runtime.launcher).
+
+The Ray tests start a private single-node Ray (``--ray-address local``, on loopback) inside the server process;
+``test_two_node_ray_cluster`` runs a real two-node Ray cluster in two network namespaces when this machine lets
+us make them (root + iproute2), with the prefill and decode instances on different nodes and the KV cache crossing
+the veth link over our TCP transfer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve_helpers import ServeProcess, pid_alive
+from tetriinfer.runtime.cluster_config import ClusterConfig
+from tetriinfer.runtime.launcher import LOOPBACK, LocalLauncher, make_launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_local_launcher_places_every_instance_on_loopback_with_its_own_core_index() -> None:
+    slots = LocalLauncher().place(3)
+    assert [s.index for s in slots] == [0, 1, 2]
+    assert [s.local_index for s in slots] == [0, 1, 2]
+    assert {s.host for s in slots} == {LOOPBACK} and len({s.node for s in slots}) == 1
+
+
+def test_launcher_and_backend_choices_are_validated() -> None:
+    with pytest.raises(ValueError, match="launcher must be one of"):
+        make_launcher("slurm")
+    with pytest.raises(ValueError, match="launcher must be local or ray"):
+        ClusterConfig(model="m", launcher="k8s")
+    for backend in ("torchdist", "inproc", "faulty:torchdist"):
+        with pytest.raises(ValueError, match="cannot cross hosts"):
+            ClusterConfig(model="m", launcher="ray", kv_backend=backend)
+    with pytest.raises(ValueError, match="startup_timeout_s"):
+        ClusterConfig(model="m", startup_timeout_s=0)
+    ClusterConfig(model="m", launcher="ray", kv_backend="tcp")  # fine
+
+
+def _ray_processes(marker: str) -> list[int]:
+    """pids of processes whose command line mentions `marker` (a Ray temp dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes() and pid_alive(int(entry.name)):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _short_tmp() -> str:
+    return tempfile.mkdtemp(prefix="tiray-", dir="/tmp")
+
+
+def _complete(base_url: str, max_tokens: int, stream: bool = False) -> dict:
+    model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "the quick brown fox " * 20, "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": stream}
+    if not stream:
+        r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+        return {"status": r.status_code, **r.json()}
+    body["stream_options"] = {"include_usage": True}
+    usage, reasons = None, []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: "):])
+                usage = chunk.get("usage") or usage
+                reasons += [c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")]
+    return {"status": r.status_code, "completion_tokens": usage and usage["completion_tokens"], "finish": reasons}
+
+
+def test_serve_on_ray_answers_reports_placement_and_cleans_up(tiny_llama: Path, tmp_path: Path) -> None:
+    """A disaggregated 1P+1D server whose instances are Ray actors' processes: requests complete with their exact
+    lengths (KV crosses from the prefill to the decode instance), /cluster shows where each runs, scaling out past
+    Ray's free CPUs fails cleanly (503, nothing changed, still serving), a killed
+    instance is seen as dead (/health and /cluster say so, a new request is refused with 503, not routed to it), and stopping the server leaves no instance and
+    no Ray process behind."""
+    ray_tmp = _short_tmp()  # Ray's socket paths under it must fit AF_UNIX's 107 bytes
+    env_before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = ray_tmp
+    try:
+        server = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances",
+                              "1", "--kv-backend", "tcp", "--launcher", "ray", "--ray-address", "local",
+                              "--startup-timeout", "30")
+    finally:
+        if env_before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = env_before
+    try:
+        assert _ray_processes(ray_tmp), "Ray's own processes should run under the temp dir we gave it"
+        info = server.cluster()["instances"]
+        assert sorted(i["role"] for i in info) == ["decode", "prefill"]
+        for i in info:
+            assert i["node"] and i["address"].startswith(f"tcp://{LOOPBACK}:") and pid_alive(i["pid"])
+        out = _complete(server.base_url, 12)
+        assert out["status"] == 200 and out["usage"]["completion_tokens"] == 12
+        assert _complete(server.base_url, 9, stream=True) == {"status": 200, "completion_tokens": 9,
+                                                               "finish": ["length"]}
+        # scale out with no room left (the private Ray has one CPU per core, both held): a clear 503 in
+        # --startup-timeout, the actor released, membership unchanged, still serving
+        added = httpx.post(f"{server.base_url}/cluster/instances", json={"role": "decode"}, timeout=300)
+        assert added.status_code == 503 and "Ray placed 0 of 1 instances" in added.text
+        assert sorted(i["id"] for i in server.cluster()["instances"]) == ["decode-0", "prefill-0"]
+        assert _complete(server.base_url, 7)["usage"]["completion_tokens"] == 7
+        pids = server.child_pids()
+        decode_pid = next(i["pid"] for i in info if i["role"] == "decode")
+        os.kill(decode_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+            time.sleep(0.2)
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code != 200
+        states = {i["role"]: i["state"] for i in server.cluster()["instances"]}
+        assert states["decode"] == "dead"
+        refused = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                             json={"model": httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"],
+                                   "prompt": "hello there", "max_tokens": 8})
+        assert refused.status_code == 503 and "no live decode instance" in refused.text
+    finally:
+        code = server.stop()
+    assert code == 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (any(pid_alive(p) for p in pids) or _ray_processes(ray_tmp)):
+        time.sleep(0.5)
+    assert not any(pid_alive(p) for p in pids)
+    assert not _ray_processes(ray_tmp), "the private Ray cluster must stop with the server"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_ray_placement_that_cannot_fit_fails_clearly(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two instances of more CPUs each than this machine has: Ray cannot place them; the server exits with a
+    message that says so within --startup-timeout instead of hanging."""
+    cores = (os.cpu_count() or 1) + 1
+    cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", str(tiny_llama), "--port", "0",
+           "--mode", "colocated", "--instances", "2", "--cores-per-instance", str(cores), "--launcher", "ray",
+           "--ray-address", "local", "--startup-timeout", "15", "--kv-cache-memory-gb", "0.25"]
+    ray_tmp = _short_tmp()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_TMPDIR": ray_tmp}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert "Ray placed 0 of 2 instances" in done.stdout + done.stderr
+    assert not _ray_processes(ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+# ---- two nodes ------------------------------------------------------------------------------------------------
+
+NS = ("tiray-a", "tiray-b")
+ADDR = ("10.231.7.1", "10.231.7.2")
+
+
+def _netns_unavailable() -> str | None:
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = subprocess.run(["ip", "netns", "add", "tiray-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create a network namespace here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "tiray-probe"], capture_output=True)
+    return None
+
+
+def test_two_node_ray_cluster(tiny_llama: Path, tmp_path: Path) -> None:
+    """Ray head on host A (its own network namespace, 10.231.7.1), a Ray worker on host B (10.231.7.2), one CPU
+    each; `tetriinfer serve --launcher ray` on A places the prefill instance on one node and the decode instance on
+    the other: requests complete with exact lengths, so the KV cache crossed the link between the two hosts."""
+    why = _netns_unavailable()
+    if why is not None:
+        pytest.skip(f"the two-node Ray test makes two hosts from network namespaces: {why}")
+    script = ROOT / "benchmarks" / "ray_two_nodes.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--model", str(tiny_llama), "--ns", *NS, "--addr", *ADDR,
+         "--workdir", str(tmp_path), "--requests", "4", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    hosts = {i["role"]: i["address"].split("//")[1].split(":")[0] for i in result["instances"]}
+    assert set(hosts.values()) == set(ADDR), hosts  # one instance on each node
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["completion_tokens"] == result["expected_tokens"]
+    assert result["kv_transfers"] >= 4

@@ -1,0 +1,292 @@
+"""Where instance processes run: on this machine (``local``) or on the nodes of a Ray cluster (``ray``).
+
+A launcher does two things for the front end: ``place(n)`` reserves a slot for each of n instances and says which
+host each landed on (so the front end can give each its bind address and its cores on that host), then
+``start(slot, argv, env)`` runs ``python -m tetriinfer.runtime.instance SPEC`` there and returns a handle with
+``subprocess.Popen``'s surface (``pid``, ``returncode``, ``poll``, ``terminate``, ``kill``, ``wait``), which is all
+the front end uses. The data path stays ours (ZeroMQ control, TCP/NIXL KV transfer between the hosts' addresses);
+Ray only places processes and keeps them alive.
+
+Ray: each instance is a Ray actor holding ``cores_per_instance`` CPUs (and one GPU on CUDA) that starts the
+instance process on its node and reports its exit. The actor is the instance's parent: if the actor dies the
+instance sees its parent change and exits; when the front end's Ray driver exits, Ray kills its actors. Polls never
+block the front end's event loop: ``poll`` returns the last answer and keeps one status query in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+LAUNCHERS = ("local", "ray")
+LOOPBACK = "127.0.0.1"
+
+
+class InstanceProcess(Protocol):
+    """The part of ``subprocess.Popen`` the front end uses."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one instance will run: ``host`` is the address it binds and peers dial; ``node`` names the machine
+    (the hostname locally, the Ray node id on Ray; instances on one node share its cores: ``local_index`` counts
+    them there, from 0)."""
+
+    index: int
+    node: str
+    host: str
+    local_index: int
+
+
+class _SlotBook:
+    """Slot numbering shared by the launchers: indices are never reused; on each node an instance gets the lowest
+    free ``local_index`` (so a replacement or scale-out instance takes the cores a retired one left)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._in_use: dict[str, set[int]] = {}
+
+    def take(self, node: str, host: str) -> Slot:
+        used = self._in_use.setdefault(node, set())
+        local = next(i for i in range(len(used) + 1) if i not in used)
+        used.add(local)
+        self._next += 1
+        return Slot(self._next - 1, node, host, local)
+
+    def release(self, slot: Slot) -> None:
+        self._in_use.get(slot.node, set()).discard(slot.local_index)
+
+
+class LocalLauncher:
+    """Instance processes on this machine, bound to loopback."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self._book = _SlotBook()
+
+    def frontend_host(self) -> str:
+        return LOOPBACK
+
+    def place(self, n: int) -> list[Slot]:
+        node = socket.gethostname()
+        return [self._book.take(node, LOOPBACK) for _ in range(n)]
+
+    def start(self, slot: Slot, argv: list[str], env: dict[str, str]) -> InstanceProcess:
+        return subprocess.Popen([sys.executable, *argv], env={**os.environ, **env})
+
+    def release(self, slot: Slot) -> None:
+        """The instance in ``slot`` has exited: its cores are free for the next placement."""
+        self._book.release(slot)
+
+    def close(self) -> None:
+        pass
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise RuntimeError("--launcher ray needs Ray: pip install 'tetriinfer[ray]' (ray 2.60)") from e
+    return ray
+
+
+class _InstanceHost:
+    """A Ray actor's body: one instance process on the actor's node."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on. Not the hostname: network namespaces on one machine (our two-node
+        test) share one hostname but are different nodes."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def start(self, argv: list[str], env: dict[str, str]) -> int:
+        self.proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env})
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, kill: bool) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            (self.proc.kill if kill else self.proc.terminate)()
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+# An instance whose actor is gone (node lost, actor killed) reads as exited with this code.
+ACTOR_LOST = -1
+
+
+class RayInstance:
+    """``InstanceProcess`` over a Ray actor (see the module docstring)."""
+
+    def __init__(self, ray: Any, actor: Any, pid: int) -> None:
+        self._ray = ray
+        self.actor = actor
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pending: Any = None
+
+    def _settle(self, ref: Any) -> int | None:
+        try:
+            return self._ray.get(ref)
+        except Exception:  # RayActorError and friends: the actor (and so the instance) is gone
+            return ACTOR_LOST
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self._pending is None:
+            self._pending = self.actor.poll.remote()
+        ready, _ = self._ray.wait([self._pending], timeout=0)
+        if ready:
+            code = self._settle(self._pending)
+            self._pending = None
+            if code is not None:
+                self.returncode = code
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(kill=False)
+
+    def kill(self) -> None:
+        self._signal(kill=True)
+
+    def _signal(self, kill: bool) -> None:
+        if self.returncode is None:
+            try:
+                self._ray.get(self.actor.signal.remote(kill), timeout=10)
+            except Exception:
+                self.returncode = ACTOR_LOST
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = 5.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            code = self._settle(self.actor.wait.remote(min(left, 5.0)))
+            if code is not None:
+                self.returncode = code
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("ray instance", timeout or 0.0)
+        return self.returncode
+
+
+class RayLauncher:
+    """Instances as Ray actors on the cluster at ``address`` (``auto``: the one ``ray start`` made on this machine;
+    ``local``: start a private single-node Ray here; ``HOST:PORT``: that cluster's head)."""
+
+    name = "ray"
+
+    def __init__(self, address: str = "auto", *, cores_per_instance: int = 1, device: str = "cpu",
+                 placement_timeout_s: float = 120.0) -> None:
+        if address == "local":
+            # Ray 2.60 on Linux registers a node under its default-route address even when told loopback, unless
+            # this (named for the platforms where loopback is its default) is off; it is read when ray is imported.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        self._ray = _ray()
+        self.cores_per_instance = cores_per_instance
+        self.device = device
+        self.placement_timeout_s = placement_timeout_s
+        self._owns_init = not self._ray.is_initialized()
+        if self._owns_init:
+            kw: dict[str, Any] = {"namespace": "tetriinfer", "log_to_driver": True}
+            if address == "local":  # a private single-node cluster on loopback, no dashboard
+                kw.update(_node_ip_address=LOOPBACK, include_dashboard=False)
+            else:
+                kw["address"] = address
+            self._ray.init(**kw)
+        self._actors: dict[int, Any] = {}  # by slot index
+        self._book = _SlotBook()
+
+    def _node_address(self, node_id: str) -> str:
+        """A node's address as its raylet registered it (``ray start --node-ip-address``); a worker process's own
+        guess (``ray.util.get_node_ip_address``) follows the default route instead and can be wrong."""
+        for node in self._ray.nodes():
+            if node.get("NodeID") == node_id and node.get("Alive", True):
+                return str(node["NodeManagerAddress"])
+        raise RuntimeError(f"Ray node {node_id} is not alive")
+
+    def frontend_host(self) -> str:
+        return self._node_address(self._ray.get_runtime_context().get_node_id())
+
+    def place(self, n: int) -> list[Slot]:
+        options: dict[str, Any] = {"num_cpus": self.cores_per_instance}
+        if self.device.startswith("cuda"):
+            options["num_gpus"] = 1
+        host_cls = self._ray.remote(_InstanceHost)
+        actors = [host_cls.options(**options).remote() for _ in range(n)]
+        refs = [a.node_id.remote() for a in actors]
+        ready, pending = self._ray.wait(refs, num_returns=n, timeout=self.placement_timeout_s)
+        if pending:
+            for actor in actors:
+                self._kill(actor)
+            raise RuntimeError(
+                f"Ray placed {len(ready)} of {n} instances in {self.placement_timeout_s:.0f} s: the cluster lacks "
+                f"{self.cores_per_instance} free CPU(s){' and a GPU' if 'num_gpus' in options else ''} per instance "
+                f"(ray status shows what it has)"
+            )
+        slots = []
+        for actor, node in zip(actors, self._ray.get(refs), strict=True):
+            slot = self._book.take(node, self._node_address(node))
+            self._actors[slot.index] = actor
+            slots.append(slot)
+        return slots
+
+    def _kill(self, actor: Any) -> None:
+        try:
+            self._ray.kill(actor)
+        except Exception:  # already gone
+            pass
+
+    def release(self, slot: Slot) -> None:
+        """The instance in ``slot`` has exited: free its actor (and so its CPUs in Ray's books) and its cores."""
+        actor = self._actors.pop(slot.index, None)
+        if actor is not None:
+            self._kill(actor)
+        self._book.release(slot)
+
+    def start(self, slot: Slot, argv: list[str], env: dict[str, str]) -> InstanceProcess:
+        actor = self._actors[slot.index]
+        pid = self._ray.get(actor.start.remote(argv, env), timeout=60)
+        return RayInstance(self._ray, actor, pid)
+
+    def close(self) -> None:
+        for actor in self._actors.values():
+            self._kill(actor)
+        self._actors = {}
+        if self._owns_init and self._ray.is_initialized():
+            self._ray.shutdown()
+
+
+def make_launcher(name: str, *, ray_address: str = "auto", cores_per_instance: int = 1, device: str = "cpu",
+                  placement_timeout_s: float = 120.0) -> LocalLauncher | RayLauncher:
+    if name == "local":
+        return LocalLauncher()
+    if name == "ray":
+        return RayLauncher(ray_address, cores_per_instance=cores_per_instance, device=device,
+                           placement_timeout_s=placement_timeout_s)
+    raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {name!r}")
