@@ -159,7 +159,6 @@ def test_ray_placement_that_cannot_fit_fails_clearly(tiny_llama: Path, tmp_path:
 
 # ---- two nodes ------------------------------------------------------------------------------------------------
 
-NS = ("tiray-a", "tiray-b")
 ADDR = ("10.231.7.1", "10.231.7.2")
 
 
@@ -175,23 +174,34 @@ def _netns_unavailable() -> str | None:
     return None
 
 
-def test_two_node_ray_cluster(tiny_llama: Path, tmp_path: Path) -> None:
+def test_ray_cluster_across_hosts_and_scale_out_onto_a_new_host(tiny_llama: Path, tmp_path: Path) -> None:
     """Ray head on host A (its own network namespace, 10.231.7.1), a Ray worker on host B (10.231.7.2), one CPU
-    each; `tetriinfer serve --launcher ray` on A places the prefill instance on one node and the decode instance on
-    the other: requests complete with exact lengths, so the KV cache crossed the link between the two hosts."""
+    each; `tetriinfer serve --launcher ray` on A places the prefill instance on one host and the decode instance on
+    the other: requests complete with exact lengths, so the KV cache crossed between the hosts. Then host C
+    (10.231.7.3) joins the Ray cluster while serving; a decode instance added through the API can only land there;
+    decode-0 (on B) is removed with requests in flight; every request of every phase completes exactly, and the
+    cluster ends with prefill on A and decode on C."""
     why = _netns_unavailable()
     if why is not None:
-        pytest.skip(f"the two-node Ray test makes two hosts from network namespaces: {why}")
+        pytest.skip(f"the multi-node Ray test makes hosts from network namespaces: {why}")
     script = ROOT / "benchmarks" / "ray_two_nodes.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--model", str(tiny_llama), "--ns", *NS, "--addr", *ADDR,
-         "--workdir", str(tmp_path), "--requests", "4", "--json"],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, str(script), "--model", str(tiny_llama), "--workdir", str(tmp_path), "--requests", "4",
+         "--scale-out", "--json"],
+        capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    hosts = {i["role"]: i["address"].split("//")[1].split(":")[0] for i in result["instances"]}
-    assert set(hosts.values()) == set(ADDR), hosts  # one instance on each node
-    assert result["completed"] == 4 and result["failed"] == 0
-    assert result["completion_tokens"] == result["expected_tokens"]
-    assert result["kv_transfers"] >= 4
+    serve, moved = json.loads(done.stdout.strip().splitlines()[-1])["phases"]
+
+    def hosts(phase: dict) -> dict[str, str]:
+        return {i["id"]: i["address"].split("//")[1].split(":")[0] for i in phase["instances"]}
+
+    assert hosts(serve) == {"prefill-0": ADDR[0], "decode-0": ADDR[1]} or \
+        hosts(serve) == {"prefill-0": ADDR[1], "decode-0": ADDR[0]}
+    assert serve["completed"] == 4 and serve["failed"] == 0 and serve["kv_transfers"] >= 4
+    assert moved["add"]["status"] == 200 and moved["add"]["instance"] == "decode-1"
+    assert moved["remove"]["status"] == 200 and moved["remove"]["was_dead"] is False
+    assert hosts(moved)["decode-1"] == "10.231.7.3"  # the only free CPU was on the new host
+    assert set(hosts(moved)) == {"prefill-0", "decode-1"}
+    assert moved["completed"] == 12 and moved["failed"] == 0
+    assert moved["completion_tokens"] == moved["expected_tokens"]
