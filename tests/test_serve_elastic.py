@@ -129,3 +129,36 @@ def test_colocated_scale_out_and_in(tiny_llama: Path) -> None:
         assert _complete(srv.base_url, model, 3, 9) == (200, 9)
     finally:
         srv.stop()
+
+
+def test_autoscale_adds_under_load_and_removes_when_idle(tiny_llama: Path) -> None:
+    """--autoscale on one colocated instance: sustained load (12 requests at a time) adds a second instance;
+    when the load stops, the pool shrinks back to one (drained); every request completes exactly."""
+    srv = ServeProcess(tiny_llama, "--mode", "colocated", "--instances", "1", "--autoscale", "--autoscale-high",
+                       "0.6", "--autoscale-low", "0.05", "--autoscale-window", "1", "--autoscale-cooldown", "1",
+                       "--autoscale-max-instances", "2")
+    try:
+        model = _model(srv.base_url)
+
+        def actions() -> list[str]:
+            return [e["action"] for e in srv.cluster()["scaling"]]
+
+        results = []
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            deadline = time.monotonic() + 240
+            while "autoscale-add" not in actions() and time.monotonic() < deadline:
+                results += [pool.submit(_complete, srv.base_url, model, i, 48) for i in range(12)]
+                time.sleep(1.0)
+            assert [f.result() for f in results] == [(200, 48)] * len(results)
+        assert "autoscale-add" in actions(), srv.cluster()["scaling"]
+        assert set(_instances(srv)) == {"instance-0", "instance-1"}
+        deadline = time.monotonic() + 120
+        while "autoscale-remove" not in actions() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        scaling = srv.cluster()["scaling"]
+        assert [e["action"] for e in scaling] == ["autoscale-add", "autoscale-remove"], scaling
+        assert scaling[0]["mean_load"] >= 0.6 and scaling[1]["mean_load"] <= 0.05
+        assert len(_instances(srv)) == 1
+        assert _complete(srv.base_url, model, 5, 10) == (200, 10)
+    finally:
+        srv.stop()

@@ -30,6 +30,7 @@ from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.load import LoadReport, Role
 from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
 from tetriinfer.engine.model_config import ModelConfig
 from tetriinfer.net import free_loopback_port
 from tetriinfer.runtime.cluster_config import ClusterConfig
@@ -120,6 +121,7 @@ class ClusterEngineClient:
         )
         self.flip_log: list[dict[str, Any]] = []
         self.scale_log: list[dict[str, Any]] = []  # add / remove / replace events, in order
+        self.scale_policy = ScalePolicy(config.scale_config())
         self._next_id: dict[str, int] = {}  # role -> next instance number (ids are never reused)
         self._front_address = ""
         self._scale_lock = asyncio.Lock()  # one membership change at a time
@@ -273,7 +275,8 @@ class ClusterEngineClient:
             self.scale_log.append(entry)
             return entry
 
-    async def remove_instance(self, instance_id: str, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    async def remove_instance(self, instance_id: str, *, timeout_s: float = 600.0,
+                              action: str = "remove") -> dict[str, Any]:
         """Scale in: stop routing and dispatching to the instance, let it finish everything it holds (queued
         prompts, transfers, running decodes), then it exits and leaves the membership. No request is lost: the
         instance is only told to retire after prefill instances have seen a decode-load broadcast without it, and
@@ -309,7 +312,7 @@ class ClusterEngineClient:
                 except subprocess.TimeoutExpired:
                     info.process.kill()
                     await asyncio.to_thread(info.process.wait, 30)
-            entry = {"action": "remove", "instance": instance_id, "role": info.role, "node": info.node,
+            entry = {"action": action, "instance": instance_id, "role": info.role, "node": info.node,
                      "drain_s": info.retired.drain_s if info.retired else None,
                      "total_s": time.perf_counter() - t0, "was_dead": info.retired is None, "time": time.time()}
             self._forget(info)
@@ -325,6 +328,21 @@ class ClusterEngineClient:
             self._launcher.release(info.slot)
         if self.config.flip:
             self.flip_policy.remove(info.instance_id)
+
+    async def _autoscale(self, cmd: ScaleCommand) -> None:
+        """Carry out one autoscaling command; the policy hears when it is done (or failed) and cools down."""
+        try:
+            if cmd.action is ScaleAction.ADD:
+                entry = await self.add_instance(cmd.role, action="autoscale-add")
+            else:
+                assert cmd.instance_id is not None
+                entry = await self.remove_instance(cmd.instance_id, action="autoscale-remove")
+            entry["mean_load"] = cmd.mean_load
+        except Exception as e:  # noqa: BLE001 - recorded; the pool stays as it is
+            self.scale_log.append({"action": f"autoscale-{cmd.action.value}-failed", "role": cmd.role,
+                                   "instance": cmd.instance_id, "error": str(e), "time": time.time()})
+        finally:
+            self.scale_policy.finished(time.time())
 
     async def _replace(self, dead: InstanceInfo) -> None:
         """--replace-dead: a dead instance (its requests already ended with an error) leaves the table and a new
@@ -611,6 +629,10 @@ class ClusterEngineClient:
             await asyncio.sleep(interval)
             self._check_processes()
             loads = [load_from_wire(i.load) for i in self.instances.values() if i.load is not None and i.routable]
+            if self.config.autoscale and self._started and not self._closing:
+                roles = {i.instance_id: i.role for i in self.instances.values() if i.routable}
+                for cmd in self.scale_policy.observe(loads, roles, time.time()):
+                    self._tasks.append(asyncio.create_task(self._autoscale(cmd)))
             if self.config.flip and self.config.disaggregated and loads:
                 for cmd in self.flip_policy.observe(loads, time.time()):
                     info = self.instances[cmd.instance_id]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from tetriinfer.core.scale_policy import ScaleConfig
+
 MODES = ("tetriinfer", "distserve", "colocated", "sarathi")
 CHUNK_PADDINGS = ("auto", "full", "none")
 
@@ -86,6 +88,13 @@ class ClusterConfig:
     launcher: str = "local"  # local | ray (runtime.launcher): where instance processes run
     ray_address: str = "auto"  # --launcher ray: auto | local | HOST:PORT of the Ray head
     replace_dead: bool = False  # start a new instance of a dead one's role (its requests still end with an error)
+    autoscale: bool = False  # core.scale_policy: add / remove instances from load (ScaleConfig's fields below)
+    autoscale_high: float = 0.8
+    autoscale_low: float = 0.2
+    autoscale_window_s: float = 5.0
+    autoscale_cooldown_s: float = 10.0
+    autoscale_max_instances: int = 8
+    autoscale_decode_load: str = "inflation"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -110,6 +119,7 @@ class ClusterConfig:
             raise ValueError("report_interval_s must be > 0")
         if self.local_prefill_weight < 0:
             raise ValueError("local_prefill_weight must be >= 0")
+        self.scale_config()  # validates the autoscale fields
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.launcher not in ("local", "ray"):
@@ -119,6 +129,11 @@ class ClusterConfig:
                              "cannot cross hosts (use tcp or nixl; shm works only when all land on one host)")
         if not self.keep_decode_ratio > 0:
             raise ValueError(f"keep_decode_ratio must be > 0, got {self.keep_decode_ratio}")
+
+    def scale_config(self) -> ScaleConfig:
+        return ScaleConfig(enabled=self.autoscale, high=self.autoscale_high, low=self.autoscale_low,
+                           window_s=self.autoscale_window_s, cooldown_s=self.autoscale_cooldown_s,
+                           max_instances=self.autoscale_max_instances, decode_load=self.autoscale_decode_load)
 
     @property
     def disaggregated(self) -> bool:

@@ -79,6 +79,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replace-dead", action=argparse.BooleanOptionalAction, default=False,
                    help="start a new instance in place of one that dies (its in-flight requests still end with an "
                         "error); /cluster lists the events under 'scaling'")
+    scale = p.add_argument_group("autoscaling (core.scale_policy; changes the pool through the same paths as "
+                                 "POST/DELETE /cluster/instances)")
+    scale.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=False,
+                       help="add an instance of a role whose mean load over the window is >= --autoscale-high, "
+                            "remove the least-loaded of a role whose mean is <= --autoscale-low (drained first)")
+    scale.add_argument("--autoscale-high", type=float, default=0.8)
+    scale.add_argument("--autoscale-low", type=float, default=0.2)
+    scale.add_argument("--autoscale-window", type=float, default=5.0, help="seconds of load behind a decision")
+    scale.add_argument("--autoscale-cooldown", type=float, default=10.0, help="seconds after a change before the next")
+    scale.add_argument("--autoscale-max-instances", type=int, default=8)
+    scale.add_argument("--autoscale-decode-load", default="inflation", choices=["busy", "kv", "inflation"],
+                       help="how a decode instance's load is judged (see --flip-decode-load)")
     p.add_argument("--startup-timeout", type=float, default=180.0,
                    help="seconds to place every instance and hear from it before giving up (and stopping them all)")
     p.add_argument("--ray-address", default="auto",
@@ -112,7 +124,10 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         flip_idle_by=args.flip_idle_by,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
         launcher=args.launcher, ray_address=args.ray_address, startup_timeout_s=args.startup_timeout,
-        replace_dead=args.replace_dead,
+        replace_dead=args.replace_dead, autoscale=args.autoscale, autoscale_high=args.autoscale_high,
+        autoscale_low=args.autoscale_low, autoscale_window_s=args.autoscale_window,
+        autoscale_cooldown_s=args.autoscale_cooldown, autoscale_max_instances=args.autoscale_max_instances,
+        autoscale_decode_load=args.autoscale_decode_load,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )
 

@@ -1,0 +1,133 @@
+"""The autoscaling rule (core.scale_policy): crafted scenarios and properties over random load sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.scale_policy import ScaleAction, ScaleConfig, ScalePolicy
+
+
+def rep(iid: str, util: float, *, role: Role = Role.PREFILL, state: InstanceState = InstanceState.ACTIVE,
+        used: int = 0, free: int = 100, inflation: float = 0.0) -> LoadReport:
+    return LoadReport(iid, role, state=state, utilization=util, num_used_blocks=used, num_free_blocks=free,
+                      step_inflation=inflation)
+
+
+def drive(policy: ScalePolicy, reports, roles, t0: float, t1: float, dt: float = 0.1):
+    """Observe the same reports every dt from t0 to t1; the commands and when they came."""
+    out, t = [], t0
+    while t <= t1 + 1e-9:
+        out += [(round(t, 3), c) for c in policy.observe(reports, roles, t)]
+        t += dt
+    return out
+
+
+CFG = ScaleConfig(enabled=True, high=0.8, low=0.2, window_s=2.0, cooldown_s=5.0, max_instances=4)
+
+
+def test_sustained_high_load_adds_one_instance_after_the_window_and_then_waits() -> None:
+    p = ScalePolicy(CFG)
+    roles = {"instance-0": "colocated"}
+    got = drive(p, [rep("instance-0", 0.95)], roles, 0.0, 10.0)
+    assert len(got) == 1  # one command in flight at a time
+    t, cmd = got[0]
+    assert cmd.action is ScaleAction.ADD and cmd.role == "colocated" and cmd.mean_load >= 0.8
+    assert t == pytest.approx(2.0)  # not before the samples span the window
+    p.finished(10.0)
+    assert drive(p, [rep("instance-0", 0.95)], roles, 10.1, 14.9) == []  # cooldown
+    again = drive(p, [rep("instance-0", 0.95)], roles, 15.0, 18.0)
+    assert again and again[0][0] >= 17.0  # a fresh window after the cooldown
+
+
+def test_a_short_spike_does_not_add() -> None:
+    p = ScalePolicy(CFG)
+    roles = {"instance-0": "colocated"}
+    got = drive(p, [rep("instance-0", 0.1)], roles, 0.0, 3.0)
+    got += drive(p, [rep("instance-0", 1.0)], roles, 3.1, 3.5)  # mean over the 2 s window stays low
+    assert all(c.action is not ScaleAction.ADD for _, c in got)
+
+
+def test_low_load_removes_the_least_loaded_then_youngest_but_never_below_min() -> None:
+    p = ScalePolicy(CFG)
+    roles = {"decode-0": "decode", "decode-1": "decode", "decode-2": "decode", "prefill-0": "prefill"}
+    reps = [rep("decode-0", 0.0, role=Role.DECODE), rep("decode-1", 0.0, role=Role.DECODE),
+            rep("decode-2", 0.1, role=Role.DECODE, inflation=0.1), rep("prefill-0", 0.5)]
+    got = drive(p, reps, roles, 0.0, 3.0)
+    assert [(c.action, c.instance_id) for _, c in got] == [(ScaleAction.REMOVE, "decode-1")]
+    # one decode instance left and idle: nothing more to remove
+    p2 = ScalePolicy(CFG)
+    assert drive(p2, [rep("decode-0", 0.0, role=Role.DECODE), rep("prefill-0", 0.0)],
+                 {"decode-0": "decode", "prefill-0": "prefill"}, 0.0, 5.0) == []
+
+
+def test_adds_the_hotter_role_and_respects_max_instances() -> None:
+    roles = {"prefill-0": "prefill", "decode-0": "decode"}
+    reps = [rep("prefill-0", 0.85), rep("decode-0", 0.0, role=Role.DECODE, used=95, free=5)]
+    got = drive(ScalePolicy(CFG), reps, roles, 0.0, 3.0)
+    assert [(c.action, c.role) for _, c in got] == [(ScaleAction.ADD, "decode")]  # KV 95% > busy 85%
+    full = {f"decode-{i}": "decode" for i in range(3)} | {"prefill-0": "prefill"}
+    reps = [rep(i, 1.0, role=Role.DECODE, used=99, free=1) for i in full if i.startswith("decode")]
+    assert drive(ScalePolicy(CFG), reps + [rep("prefill-0", 1.0)], full, 0.0, 5.0) == []  # 4 = max
+
+
+def test_decode_load_measures() -> None:
+    busy_decode = rep("decode-0", 1.0, role=Role.DECODE, used=10, free=90, inflation=0.3)
+    assert ScalePolicy(ScaleConfig(decode_load="busy")).load(busy_decode, "decode") == 1.0
+    assert ScalePolicy(ScaleConfig(decode_load="kv")).load(busy_decode, "decode") == pytest.approx(0.1)
+    assert ScalePolicy(ScaleConfig(decode_load="inflation")).load(busy_decode, "decode") == pytest.approx(0.3)
+    assert ScalePolicy(ScaleConfig(decode_load="kv")).load(busy_decode, "prefill") == 1.0
+
+
+def test_draining_instances_and_unknown_ids_are_ignored() -> None:
+    p = ScalePolicy(CFG)
+    reps = [rep("instance-0", 1.0, state=InstanceState.DRAINING), rep("ghost", 1.0)]
+    assert drive(p, reps, {"instance-0": "colocated"}, 0.0, 5.0) == []
+
+
+def test_disabled_policy_and_bad_configs() -> None:
+    assert drive(ScalePolicy(ScaleConfig()), [rep("i", 1.0)], {"i": "colocated"}, 0, 10) == []
+    for bad in ({"low": 0.8, "high": 0.8}, {"high": 1.5}, {"window_s": 0}, {"cooldown_s": -1},
+                {"min_per_role": 0}, {"max_instances": 0}, {"decode_load": "tpot"}):
+        with pytest.raises(ValueError, match="autoscale"):
+            ScaleConfig(**bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.booleans()), min_size=20, max_size=200),
+       st.integers(1, 3), st.integers(2, 6))
+def test_property_pool_stays_within_bounds_and_one_command_at_a_time(loads, min_per_role, max_instances) -> None:
+    """A simulated pool that applies every command at once and reports it finished some steps later: whatever the
+    loads, the pool stays within [min_per_role per role, max_instances] (it starts inside), and no command comes
+    while one is in flight."""
+    cfg = ScaleConfig(enabled=True, high=0.7, low=0.3, window_s=0.5, cooldown_s=0.3, min_per_role=min_per_role,
+                      max_instances=max(max_instances, 2 * min_per_role))
+    p = ScalePolicy(cfg)
+    pool = {f"prefill-{i}": "prefill" for i in range(min_per_role)} | {f"decode-{i}": "decode"
+                                                                         for i in range(min_per_role)}
+    next_id = {"prefill": min_per_role, "decode": min_per_role}
+    t = 0.0
+    pending = False
+    for pl, dl, finish in loads:  # finish: the runtime completes the command in flight at this step
+        t += 0.1
+        if pending and finish:
+            p.finished(t)
+            pending = False
+        reps = [rep(i, pl) if r == "prefill" else rep(i, dl, role=Role.DECODE, inflation=dl) for i, r in pool.items()]
+        cmds = p.observe(reps, pool, t)
+        assert len(cmds) <= 1
+        assert not (pending and cmds), "a command while another is in flight"
+        for c in cmds:
+            pending = True
+            if c.action is ScaleAction.ADD:
+                pool[f"{c.role}-{next_id[c.role]}"] = c.role
+                next_id[c.role] += 1
+            else:
+                assert c.instance_id in pool and pool[c.instance_id] == c.role
+                del pool[c.instance_id]
+            assert p.observe(reps, pool, t + 0.01) == []  # in flight
+        assert len(pool) <= cfg.max_instances
+        for role in ("prefill", "decode"):
+            assert sum(1 for r in pool.values() if r == role) >= min_per_role
