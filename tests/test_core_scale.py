@@ -11,9 +11,9 @@ from tetriinfer.core.scale_policy import ScaleAction, ScaleConfig, ScalePolicy
 
 
 def rep(iid: str, util: float, *, role: Role = Role.PREFILL, state: InstanceState = InstanceState.ACTIVE,
-        used: int = 0, free: int = 100, inflation: float = 0.0) -> LoadReport:
+        used: int = 0, free: int = 100, inflation: float = 0.0, queued: int = 0, running: int = 0) -> LoadReport:
     return LoadReport(iid, role, state=state, utilization=util, num_used_blocks=used, num_free_blocks=free,
-                      step_inflation=inflation)
+                      step_inflation=inflation, num_queued=queued, num_running=running)
 
 
 def drive(policy: ScalePolicy, reports, roles, t0: float, t1: float, dt: float = 0.1):
@@ -30,24 +30,39 @@ CFG = ScaleConfig(enabled=True, high=0.8, low=0.2, window_s=2.0, cooldown_s=5.0,
 
 def test_sustained_high_load_adds_one_instance_after_the_window_and_then_waits() -> None:
     p = ScalePolicy(CFG)
-    roles = {"instance-0": "colocated"}
-    got = drive(p, [rep("instance-0", 0.95)], roles, 0.0, 10.0)
+    roles = {"prefill-0": "prefill", "decode-0": "decode"}
+    reps = [rep("prefill-0", 0.95), rep("decode-0", 0.5, role=Role.DECODE, running=3)]
+    got = drive(p, reps, roles, 0.0, 10.0)
     assert len(got) == 1  # one command in flight at a time
     t, cmd = got[0]
-    assert cmd.action is ScaleAction.ADD and cmd.role == "colocated" and cmd.mean_load >= 0.8
+    assert cmd.action is ScaleAction.ADD and cmd.role == "prefill" and cmd.mean_load >= 0.8
     assert t == pytest.approx(2.0)  # not before the samples span the window
     p.finished(10.0)
-    assert drive(p, [rep("instance-0", 0.95)], roles, 10.1, 14.9) == []  # cooldown
-    again = drive(p, [rep("instance-0", 0.95)], roles, 15.0, 18.0)
+    assert drive(p, reps, roles, 10.1, 14.9) == []  # cooldown
+    again = drive(p, reps, roles, 15.0, 18.0)
     assert again and again[0][0] >= 17.0  # a fresh window after the cooldown
 
 
 def test_a_short_spike_does_not_add() -> None:
     p = ScalePolicy(CFG)
-    roles = {"instance-0": "colocated"}
-    got = drive(p, [rep("instance-0", 0.1)], roles, 0.0, 3.0)
-    got += drive(p, [rep("instance-0", 1.0)], roles, 3.1, 3.5)  # mean over the 2 s window stays low
+    roles = {"prefill-0": "prefill"}
+    got = drive(p, [rep("prefill-0", 0.1)], roles, 0.0, 3.0)
+    got += drive(p, [rep("prefill-0", 1.0)], roles, 3.1, 3.5)  # mean over the 2 s window stays low
     assert all(c.action is not ScaleAction.ADD for _, c in got)
+
+
+def test_colocated_load_is_waiting_requests_and_kv_not_busy_time() -> None:
+    """A colocated instance busy all the time with its batch admitted is not overloaded; one with most of its
+    requests waiting to be admitted is."""
+    roles = {"instance-0": "colocated"}
+    calm = [rep("instance-0", 1.0, role=Role.DECODE, running=12, used=30, free=70)]
+    assert drive(ScalePolicy(CFG), calm, roles, 0.0, 5.0) == []
+    swamped = [rep("instance-0", 1.0, role=Role.DECODE, running=4, queued=16, used=30, free=70)]
+    got = drive(ScalePolicy(CFG), swamped, roles, 0.0, 5.0)
+    assert [(c.action, c.role) for _, c in got] == [(ScaleAction.ADD, "colocated")]
+    assert got[0][1].mean_load == pytest.approx(0.8)
+    full = [rep("instance-0", 1.0, role=Role.DECODE, running=4, used=90, free=10)]
+    assert drive(ScalePolicy(CFG), full, roles, 0.0, 5.0)[0][1].action is ScaleAction.ADD
 
 
 def test_low_load_removes_the_least_loaded_then_youngest_but_never_below_min() -> None:
@@ -79,6 +94,8 @@ def test_decode_load_measures() -> None:
     assert ScalePolicy(ScaleConfig(decode_load="kv")).load(busy_decode, "decode") == pytest.approx(0.1)
     assert ScalePolicy(ScaleConfig(decode_load="inflation")).load(busy_decode, "decode") == pytest.approx(0.3)
     assert ScalePolicy(ScaleConfig(decode_load="kv")).load(busy_decode, "prefill") == 1.0
+    preempted = rep("decode-0", 1.0, role=Role.DECODE, used=10, free=90, queued=3, running=1)
+    assert ScalePolicy(ScaleConfig(decode_load="kv")).load(preempted, "decode") == pytest.approx(0.75)
 
 
 def test_draining_instances_and_unknown_ids_are_ignored() -> None:

@@ -132,11 +132,12 @@ def test_colocated_scale_out_and_in(tiny_llama: Path) -> None:
 
 
 def test_autoscale_adds_under_load_and_removes_when_idle(tiny_llama: Path) -> None:
-    """--autoscale on one colocated instance: sustained load (12 requests at a time) adds a second instance;
+    """--autoscale on one colocated instance running at most 4 requests: sustained load (12 requests a second)
+    queues, which adds a second instance;
     when the load stops, the pool shrinks back to one (drained); every request completes exactly."""
     srv = ServeProcess(tiny_llama, "--mode", "colocated", "--instances", "1", "--autoscale", "--autoscale-high",
                        "0.6", "--autoscale-low", "0.05", "--autoscale-window", "1", "--autoscale-cooldown", "1",
-                       "--autoscale-max-instances", "2")
+                       "--autoscale-max-instances", "2", "--max-num-seqs", "4")
     try:
         model = _model(srv.base_url)
 

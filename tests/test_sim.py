@@ -149,6 +149,11 @@ MODES = {
     "tetri-keep": dict(mode="tetriinfer", keep_decode=True, local_prefill=True),
     "tetri-flip": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, predictor="oracle",
                        decode_policy="reserve-static"),
+    "tetri-auto": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, autoscale=True, autoscale_window_s=0.3,
+                       autoscale_cooldown_s=0.1, autoscale_high=0.5, autoscale_low=0.1, autoscale_max_instances=5,
+                       autoscale_decode_load="busy"),
+    "colocated-auto": dict(mode="colocated", autoscale=True, autoscale_window_s=0.3, autoscale_cooldown_s=0.1,
+                           autoscale_high=0.5, autoscale_low=0.1, autoscale_max_instances=4),
 }
 
 
@@ -213,6 +218,47 @@ def test_flip_moves_an_idle_prefill_instance_to_decode_without_losing_requests()
     check_run(wl, res.records)
     assert res.flips and res.flips[0]["from"] == "prefill" and res.flips[0]["to"] == "decode"
     assert all(f["switched_s"] >= f["drained_s"] >= f["decided_s"] for f in res.flips)
+
+
+def test_autoscale_grows_under_a_burst_and_shrinks_after_it() -> None:
+    """One colocated instance (at most 16 running requests, so a burst queues), a 15 s burst at 8 req/s, then a
+    sparse tail: the same scaling rule as the runtime adds instances during the burst (each taking work scale_out_s after the decision) and drains them away after;
+    every request finishes, every pool is whole, and the pool pays fewer instance-seconds than a fixed pool of the
+    peak size while finishing the burst far sooner than one instance."""
+    reqs = [WorkloadRequest(f"b{i}", i / 8, 300, 120) for i in range(120)]
+    reqs += [WorkloadRequest(f"t{i}", 20.0 + 6.0 * i, 300, 120) for i in range(12)]
+    wl = Workload("burst", tuple(reqs), "test", "trace", None, 0)
+    auto = dict(autoscale=True, autoscale_window_s=3.0, autoscale_cooldown_s=0.5, autoscale_high=0.6,
+                autoscale_low=0.2, autoscale_max_instances=4)
+
+    def run(instances: int, **over: object):
+        cfg = replace(sim_config("colocated", blocks=2000, instances=instances, max_num_seqs=16, **over),
+                      scale_out_s=2.0)
+        res = SimCluster(cfg, COST).run(wl)
+        check_run(wl, res.records)
+        return res
+
+    scaled, one, peak = run(1, **auto), run(1), run(4)
+    actions = [e["action"] for e in scaled.scaling]
+    assert actions.count("autoscale-add") >= 2 and actions.count("autoscale-remove") >= 1, scaled.scaling
+    for e in scaled.scaling:
+        if e["action"] == "autoscale-add":
+            assert e["started_s"] == pytest.approx(e["decided_s"] + 2.0) and e["mean_load"] >= 0.6
+        else:
+            assert e["retired_s"] is not None and e["retired_s"] >= e["decided_s"] and e["mean_load"] <= 0.2
+    assert len(scaled.alive_s) == 1 + actions.count("autoscale-add")  # ids never reused
+    spans = [(0.0, min((e["retired_s"] for e in scaled.scaling if e["instance"] == "instance-0" and
+                        e["action"] == "autoscale-remove"), default=scaled.duration_s))]
+    for e in scaled.scaling:
+        if e["action"] == "autoscale-add":
+            end = next((r["retired_s"] for r in scaled.scaling if r["instance"] == e["instance"]
+                        and r["action"] == "autoscale-remove"), scaled.duration_s)
+            spans.append((e["started_s"], end))
+    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 4  # never more than max at once
+    assert set(scaled.busy_s) == set(scaled.alive_s)
+    assert scaled.instance_s < 0.8 * peak.instance_s
+    jct = {name: summarize(r.records)["jct"]["mean"] for name, r in (("auto", scaled), ("one", one))}
+    assert jct["auto"] < 0.8 * jct["one"]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,10 +4,15 @@ The flip policy moves capacity between roles inside a fixed pool; this one chang
 ``add_instance`` / ``remove_instance``: scale-out starts a process, scale-in drains one without losing a request).
 
 Per role (``prefill``, ``decode``, ``colocated``), every ``observe(reports, roles, now)`` records the mean load of
-that role's ACTIVE instances. Load: prefill and colocated ``LoadReport.load`` (max of busy fraction and KV usage);
-decode per ``decode_load`` (``busy`` = the same, ``kv`` = KV usage, ``inflation`` = max(KV usage, how much batching
-slows each step vs batch 1): a decode instance steps all the time once it holds one request, so busy time says
-little about whether another would help).
+that role's ACTIVE instances. Load, in [0, 1]:
+- prefill: ``LoadReport.load`` (max of busy fraction and KV usage): a prefill instance idles without prompts;
+- colocated: max(KV usage, queue pressure, step inflation); queue pressure = waiting / (waiting + running)
+  requests, step inflation = how much batching slows its decode steps vs batch 1 (``core.step_inflation``). Not
+  the busy fraction: an instance that holds one decoding request steps all the time, so busy time says nothing
+  about whether another instance would help; waiting requests (TTFT), a filling KV pool (preemptions) and
+  slowing steps (TPOT) do;
+- decode: max(queue pressure, the ``decode_load`` measure: ``busy`` = ``LoadReport.load``, ``kv`` = KV usage,
+  ``inflation`` = max(KV usage, how much batching slows each step vs batch 1)).
 
 Rules, evaluated once the role's samples span ``window_s``:
 - ADD one instance of the role whose mean load over the window is >= ``high`` (the higher mean if several), if
@@ -80,11 +85,19 @@ class ScalePolicy:
         self._quiet_until = float("-inf")
 
     def load(self, report: LoadReport, role: str) -> float:
-        if role == "decode" and self.config.decode_load == "kv":
-            return report.kv_usage
-        if role == "decode" and self.config.decode_load == "inflation":
-            return max(report.kv_usage, report.step_inflation)
-        return report.load
+        if role == "prefill":
+            return report.load
+        held = report.num_queued + report.num_running
+        queue = report.num_queued / held if held else 0.0
+        if role == "colocated":
+            return max(report.kv_usage, queue, report.step_inflation)
+        if self.config.decode_load == "kv":
+            measure = report.kv_usage
+        elif self.config.decode_load == "inflation":
+            measure = max(report.kv_usage, report.step_inflation)
+        else:
+            measure = report.load
+        return max(measure, queue)
 
     def finished(self, now: float) -> None:
         """The last command has completed (or failed): cool down, then judge the new membership afresh."""

@@ -7,6 +7,9 @@ chunks alternating with decode steps on one instance (what the offline ``LLM`` r
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from tetriinfer.core.colocated_scheduler import (
     ColocatedSchedulerConfig,
     colocated_load_report,
@@ -14,6 +17,7 @@ from tetriinfer.core.colocated_scheduler import (
 )
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.local_scheduler import LocalScheduler, LocalSchedulerConfig
+from tetriinfer.core.step_inflation import StepInflation
 from tetriinfer.runtime.messages import Abort, NewRequest
 from tetriinfer.runtime.worker_base import InstanceContext
 
@@ -24,6 +28,7 @@ class ColocatedWorker:
     def __init__(self, ctx: InstanceContext) -> None:
         spec = ctx.spec
         self.ctx = ctx
+        self.inflation = StepInflation()  # how much batching slows decode steps (the autoscaler's TPOT signal)
         if spec.colocated_policy == "chunked":
             self.scheduler = LocalScheduler(
                 LocalSchedulerConfig(
@@ -65,10 +70,14 @@ class ColocatedWorker:
         if not self.scheduler.has_unfinished():
             return False
         out = self.scheduler.schedule()
+        t0 = time.perf_counter()
         result = self.ctx.runner.execute(out)
+        if out.is_decode_only:
+            self.inflation.observe(len(out.segments), time.perf_counter() - t0)
         upd = self.scheduler.update(out, result)
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         return not out.is_empty
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
-        return colocated_load_report(self.scheduler, self.ctx.instance_id, now, utilization, state)
+        rep = colocated_load_report(self.scheduler, self.ctx.instance_id, now, utilization, state)
+        return dataclasses.replace(rep, step_inflation=self.inflation.take())

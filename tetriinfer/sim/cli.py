@@ -75,7 +75,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
         max_output_tokens=args.max_output_tokens, arrival=args.arrival, burstiness_cv=args.burstiness_cv,
         length_source=args.length_source, seed=args.seed, link_bandwidth=args.link_bandwidth,
         link_latency=args.link_latency, predictor_accuracy=args.predictor_accuracy,
-        frontend_delay_s=args.frontend_delay_ms / 1e3, floor=not args.no_floor,
+        frontend_delay_s=args.frontend_delay_ms / 1e3, scale_out_s=args.scale_out_s, floor=not args.no_floor,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e), progress=not args.no_progress,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -188,6 +188,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="with --serve-arg '--predictor oracle': share of exact buckets (the rest one bucket off)")
     p.add_argument("--frontend-delay-ms", type=float, default=0.0,
                    help="per request, arrival -> routed (HTTP, tokenization, messaging of a real front end)")
+    p.add_argument("--scale-out-s", type=float, default=5.0,
+                   help="with --serve-arg '--autoscale ...': seconds from a scale-out decision to the new instance "
+                        "taking work (process start + weights load; ~1 s with fast-shm on a warm host)")
 
 
 def add_subparsers(subparsers: Any) -> None:

@@ -3,8 +3,10 @@
 The same core code as ``tetriinfer serve`` decides everything: ``GlobalPolicy`` routes arrivals (least-loaded
 prefill instance, or a decode instance under conditional disaggregation) from the monitor's latest load
 reports; the monitor builds every instance's ``LoadReport`` each ``report_interval_s``, runs ``FlipPolicy``
-(drain, then switch role in place) and broadcasts decode loads to the prefill instances' dispatchers. What is
-simulated: step times (a ``CostModel``), KV transfers (``Links``), role-switch time, and the model's tokens.
+(drain, then switch role in place) and ``ScalePolicy`` (``--autoscale``: add an instance after ``scale_out_s``;
+remove one by draining it, as the runtime's drain-then-retire), and broadcasts decode loads to the prefill
+instances' dispatchers. What is simulated: step times (a ``CostModel``), KV transfers (``Links``), role-switch
+and instance-start times, and the model's tokens.
 
 Request lifecycle and invariants: every request of the workload ends in exactly one terminal state
 (finished, or failed with a reason; rejected ones -- too long for the model -- are never sent); at the end
@@ -14,6 +16,7 @@ instead of returning partial numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from collections.abc import Callable
@@ -25,9 +28,10 @@ from tetriinfer.bench.workloads import Workload, WorkloadRequest
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.kv_cache_manager import KVCacheManager
-from tetriinfer.core.load import LoadReport, Role
+from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cost_model import CostModel
 from tetriinfer.sim.events import EventLoop
@@ -68,6 +72,7 @@ class SimConfig:
     predictor_accuracy: float = 1.0
     switch_s: float = 0.01
     frontend_delay_s: float = 0.0  # arrival -> routed: HTTP, tokenization, messaging in the real front end
+    scale_out_s: float = 5.0  # --autoscale: decision -> a new instance takes work (process start + weights load)
     max_concurrency: int | None = None
     max_sim_s: float = 7 * 24 * 3600.0
 
@@ -80,6 +85,8 @@ class SimConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 <= self.predictor_accuracy <= 1.0:
             raise ValueError(f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
+        if self.scale_out_s < 0:
+            raise ValueError(f"scale_out_s must be >= 0, got {self.scale_out_s}")
         if self.switch_s < 0 or self.frontend_delay_s < 0:
             raise ValueError(f"switch_s and frontend_delay_s must be >= 0, got {self.switch_s}, {self.frontend_delay_s}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -116,10 +123,18 @@ class SimResult:
     flips: list[dict[str, Any]] = field(default_factory=list)
     transfer_bytes: int = 0
     events: int = 0
+    alive_s: dict[str, float] = field(default_factory=dict)  # per instance: seconds provisioned (start to retire)
+    scaling: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def resource_s(self) -> float:
         return sum(self.busy_s.values())
+
+    @property
+    def instance_s(self) -> float:
+        """Instance-seconds provisioned until the last request ended (what a fixed pool pays for whether busy or
+        not; what autoscaling saves)."""
+        return sum(self.alive_s.values())
 
 
 @dataclass
@@ -142,12 +157,17 @@ class SimCluster:
         self.flips = FlipPolicy(FlipConfig(enabled=c.flip and c.disaggregated, threshold=c.flip_threshold,
                                            window_s=c.flip_window_s, decode_load=c.flip_decode_load,
                                            busy_threshold=c.flip_busy_threshold, idle_by=c.flip_idle_by))
+        self.scale = ScalePolicy(c.scale_config())
         self.instances: dict[str, SimInstance] = {}
-        counts: dict[str, int] = {}
-        for index, role in enumerate(c.roles()):
-            iid = f"{'instance' if role == 'colocated' else role}-{counts.get(role, 0)}"
-            counts[role] = counts.get(role, 0) + 1
-            self.instances[iid] = self._make(role, iid, index)
+        self._next_id: dict[str, int] = {}
+        self._started_at: dict[str, float] = {}
+        self._retiring: set[str] = set()
+        self._retired: dict[str, SimInstance] = {}  # removed by scale-in: kept for busy-time accounting
+        self._alive_s: dict[str, float] = {}
+        self._inbound: dict[str, int] = {}  # handoffs on the wire to each decode instance (it cannot retire then)
+        self.scale_log: list[dict[str, Any]] = []
+        for role in c.roles():
+            self._add(role, at=0.0)
         self.loads: list[LoadReport] = []
         self._rng = random.Random(c.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -158,13 +178,26 @@ class SimCluster:
         self._ended: set[str] = set()
         self.num_kept = 0
         self.flip_log: list[dict[str, Any]] = []
-        self._index = {iid: i for i, iid in enumerate(self.instances)}
 
     # ---- construction -------------------------------------------------------------------
     def _make(self, role: str, iid: str, index: int) -> SimInstance:
         kv = KVCacheManager(self.config.num_kv_blocks, self.config.cluster.block_size)
         cls = {"prefill": SimPrefill, "decode": SimDecode, "colocated": SimColocated}[role]
         return cls(iid, kv, self.cost, self, self.config.policies(index))
+
+    def _add(self, role: str, at: float) -> SimInstance:
+        """A new instance of ``role`` (ids as the runtime gives them: never reused), provisioned from ``at``."""
+        n = self._next_id.get(role, 0)
+        self._next_id[role] = n + 1
+        iid = f"{'instance' if role == 'colocated' else role}-{n}"
+        inst = self._make(role, iid, len(self._started_at))
+        self.instances[iid] = inst
+        self._started_at[iid] = at
+        return inst
+
+    @staticmethod
+    def _role_of(inst: SimInstance) -> str:
+        return "prefill" if isinstance(inst, SimPrefill) else "decode" if isinstance(inst, SimDecode) else "colocated"
 
     # ---- running --------------------------------------------------------------------------
     def run(self, workload: Workload) -> SimResult:
@@ -193,11 +226,17 @@ class SimCluster:
                 raise AssertionError(f"{inst.iid} still holds {inst.kv.num_used_blocks} KV blocks after the run")
         records = [t.record for t in self._tracked.values()]
         ends = [r.finish_s for r in records if r.finish_s is not None]
+        duration = max(ends) if ends else 0.0
+        everyone = {**self._retired, **self.instances}
+        alive = dict(self._alive_s)
+        for iid in self.instances:
+            alive[iid] = max(0.0, duration - self._started_at[iid])
         return SimResult(
-            records=records, busy_s={i.iid: i.busy_s for i in self.instances.values()},
-            steps={i.iid: i.steps for i in self.instances.values()}, duration_s=max(ends) if ends else 0.0,
+            records=records, busy_s={i.iid: i.busy_s for i in everyone.values()},
+            steps={i.iid: i.steps for i in everyone.values()}, duration_s=duration,
             local_prefills=self.policy.num_local_prefills, kept_decodes=self.num_kept, flips=self.flip_log,
-            transfer_bytes=self.links.bytes_sent, events=self.loop.num_events,
+            transfer_bytes=self.links.bytes_sent, events=self.loop.num_events, alive_s=alive,
+            scaling=self.scale_log,
         )
 
     def _fill_closed_loop(self) -> None:
@@ -292,7 +331,10 @@ class SimCluster:
         )
         copy.num_computed_tokens = copy.num_tokens - 1
 
+        self._inbound[decode_id] = self._inbound.get(decode_id, 0) + 1
+
         def deliver() -> None:
+            self._inbound[decode_id] -= 1
             dst = self.instances[decode_id]
             if not isinstance(dst, SimDecode):  # flipped meanwhile (cannot happen: it drains first)
                 self.on_failed(req.request_id, f"{decode_id} is no longer a decode instance")
@@ -339,9 +381,11 @@ class SimCluster:
     def _monitor(self) -> None:
         c = self.config.cluster
         now = self.loop.now
+        self._retire_drained(now)
         reports = [inst.report(now, inst.take_utilization(c.report_interval_s)) for inst in self.instances.values()]
         if c.disaggregated:
-            for cmd in self.flips.observe(reports, now):
+            observed = [r for r in reports if r.instance_id not in self._retiring]
+            for cmd in self.flips.observe(observed, now):
                 inst = self.instances[cmd.instance_id]
                 if cmd.action is FlipAction.DRAIN:
                     inst.state = self.flips.state(inst.iid)
@@ -350,6 +394,14 @@ class SimCluster:
             reports = self.flips.annotate(reports)
             for inst in self.instances.values():
                 inst.state = self.flips.state(inst.iid)
+        for iid in self._retiring:  # scale-in: not routed or dispatched to, whatever the flip policy thinks
+            self.instances[iid].state = InstanceState.DRAINING
+        reports = [r if r.instance_id not in self._retiring else
+                   dataclasses.replace(r, state=InstanceState.DRAINING) for r in reports]
+        if c.autoscale:
+            roles = {iid: self._role_of(inst) for iid, inst in self.instances.items() if iid not in self._retiring}
+            for scale_cmd in self.scale.observe(reports, roles, now):
+                self._scale(scale_cmd, now)
         self.loads = reports
         decode_loads = [r for r in reports if r.role is Role.DECODE]
         for inst in self.instances.values():
@@ -360,13 +412,50 @@ class SimCluster:
         if self._open:
             self.loop.after(c.report_interval_s, self._monitor)
 
+    def _scale(self, cmd: ScaleCommand, now: float) -> None:
+        """Autoscaling, as the runtime does it: ADD -> a new instance reports (and takes work) after
+        ``scale_out_s``, provisioned (paid for) from the decision on; REMOVE -> the instance drains (DRAINING from
+        this report on: not routed or dispatched to), and leaves once empty (``_retire_drained``)."""
+        if cmd.action is ScaleAction.ADD:
+            def start() -> None:
+                inst = self._add(cmd.role, at=now)
+                self.scale_log.append({"action": "autoscale-add", "instance": inst.iid, "role": cmd.role,
+                                       "decided_s": now, "started_s": self.loop.now, "mean_load": cmd.mean_load})
+                self.scale.finished(self.loop.now)
+
+            self.loop.after(self.config.scale_out_s, start)
+        else:
+            assert cmd.instance_id is not None
+            self._retiring.add(cmd.instance_id)
+            self.flips.remove(cmd.instance_id)
+            self.instances[cmd.instance_id].state = InstanceState.DRAINING
+            self.scale_log.append({"action": "autoscale-remove", "instance": cmd.instance_id, "role": cmd.role,
+                                   "decided_s": now, "retired_s": None, "mean_load": cmd.mean_load})
+
+    def _retire_drained(self, now: float) -> None:
+        """Retiring instances that hold nothing leave the pool (their KV pool whole, their busy time kept)."""
+        for iid in sorted(self._retiring):
+            inst = self.instances[iid]
+            if not inst.is_empty() or inst.kv.num_used_blocks or self._inbound.get(iid, 0):
+                continue
+            if inst.kv.num_free_blocks != inst.kv.num_blocks:
+                raise AssertionError(f"{iid} retires holding KV blocks")
+            self._retiring.discard(iid)
+            del self.instances[iid]
+            self._retired[iid] = inst
+            self._alive_s[iid] = now - self._started_at[iid]
+            for entry in self.scale_log:
+                if entry["instance"] == iid and entry["action"] == "autoscale-remove":
+                    entry["retired_s"] = now
+            self.scale.finished(now)
+
     def _switch(self, inst: SimInstance, to_role: Role) -> None:
         if not inst.is_empty() or inst.kv.num_used_blocks:
             raise AssertionError(f"{inst.iid} switches role while holding work")
         decided = self.loop.now
 
         def done() -> None:
-            new = self._make(to_role.value, inst.iid, self._index[inst.iid])
+            new = self._make(to_role.value, inst.iid, list(self._started_at).index(inst.iid))
             new.busy_s, new.steps = inst.busy_s, inst.steps
             self.instances[inst.iid] = new
             rec = self.flips.on_switched(inst.iid, self.loop.now)

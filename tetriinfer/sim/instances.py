@@ -96,7 +96,7 @@ class SimInstance:
         self.stepping = False
         self._start_pending = False
         self.busy_s = 0.0  # total seconds spent in steps (resource usage time)
-        self.window_busy_s = 0.0  # since the last load report
+        self._spans: list[tuple[float, float]] = []  # steps (start, end) not yet wholly counted in a report
         self.steps = 0
         self.step_seconds = 0.0  # the running (or last) step's cost
 
@@ -135,7 +135,8 @@ class SimInstance:
         secs = self.step_seconds = self.cost.step_seconds(out)
         self.stepping = True
         self.busy_s += secs
-        self.window_busy_s += secs
+        now = self.host.loop.now
+        self._spans.append((now, now + secs))
         self.steps += 1
         self.host.loop.after(secs, lambda: self._finish(out))
 
@@ -145,10 +146,16 @@ class SimInstance:
         self._start()
 
     def take_utilization(self, interval_s: float) -> float:
-        """Busy fraction since the previous call (steps are charged when they start), in [0, 1]."""
-        u = min(1.0, self.window_busy_s / interval_s) if interval_s > 0 else 0.0
-        self.window_busy_s = 0.0
-        return u
+        """Busy fraction of the last ``interval_s`` (the report interval) before now, in [0, 1]: each step counts
+        for the part of it inside the interval (a step longer than the interval keeps the instance busy in every
+        report it spans, as the real instance, which cannot report mid-step, shows)."""
+        if interval_s <= 0:
+            return 0.0
+        now = self.host.loop.now
+        lo = now - interval_s
+        busy = sum(max(0.0, min(end, now) - max(start, lo)) for start, end in self._spans)
+        self._spans = [(start, end) for start, end in self._spans if end > now]
+        return min(1.0, busy / interval_s)
 
 
 class SimPrefill(SimInstance):
@@ -374,6 +381,7 @@ class SimColocated(SimInstance):
                                      max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len),
             kv,
         )
+        self.inflation = StepInflation()
 
     def add(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -386,9 +394,13 @@ class SimColocated(SimInstance):
         return self.scheduler.schedule() if self.scheduler.has_unfinished() else None
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        if out.is_decode_only:  # as the runtime's colocated worker
+            one = replace(out, segments=out.segments[:1])
+            self.inflation.observe(len(out.segments), self.step_seconds, self.cost.step_seconds(one))
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
 
     def report(self, now: float, utilization: float) -> LoadReport:
-        return colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
+        rep = colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
+        return replace(rep, step_inflation=self.inflation.take())
 

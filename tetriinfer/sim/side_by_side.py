@@ -68,6 +68,7 @@ class SimSideBySideConfig:
     link_latency: str | float = 0.0
     predictor_accuracy: float = 1.0
     frontend_delay_s: float = 0.0
+    scale_out_s: float = 5.0
     floor: bool = True
     slo: SLO = field(default_factory=SLO)
     progress: bool = True
@@ -128,7 +129,8 @@ class SimSideBySide:
         c = self.config
         return SimConfig(cluster, num_kv_blocks=c.num_kv_blocks, kv_bytes_per_token=c.kv_bytes_per_token,
                          max_model_len=c.max_model_len, link_bandwidth=c.link_bandwidth, link_latency=c.link_latency,
-                         predictor_accuracy=c.predictor_accuracy, frontend_delay_s=c.frontend_delay_s, **over)
+                         predictor_accuracy=c.predictor_accuracy, frontend_delay_s=c.frontend_delay_s,
+                         scale_out_s=c.scale_out_s, **over)
 
     def workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:
         c = self.config
@@ -199,6 +201,7 @@ class SimSideBySide:
                         "local_prefills": res.local_prefills, "kept_decodes": res.kept_decodes,
                         "flips": res.flips, "transfer_bytes": res.transfer_bytes, "events": res.events,
                         "output_len_mismatch": s["output_len_mismatch"], "rejected": s["rejected"],
+                        "instance_s": res.instance_s, "scaling": res.scaling,
                     }
                     raw.setdefault(key, {})[col.label] = {
                         "requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe(),
@@ -212,7 +215,7 @@ class SimSideBySide:
             "num_kv_blocks": c.num_kv_blocks, "kv_bytes_per_token": c.kv_bytes_per_token,
             "max_model_len": c.max_model_len, "link_bandwidth": str(c.link_bandwidth),
             "link_latency": str(c.link_latency), "predictor_accuracy": c.predictor_accuracy,
-            "frontend_delay_s": c.frontend_delay_s, "caps": {"max_prompt_tokens": c.max_prompt_tokens, "max_output_tokens": c.max_output_tokens},
+            "frontend_delay_s": c.frontend_delay_s, "scale_out_s": c.scale_out_s, "caps": {"max_prompt_tokens": c.max_prompt_tokens, "max_output_tokens": c.max_output_tokens},
             "columns": [{"label": col.label, "mode": col.mode, "serve_args": list(col.serve_args)}
                         for col in c.columns],
             "rate_mode": "auto" if c.rate is None else "fixed", "rate_fractions": list(c.rate_fractions),
@@ -265,6 +268,12 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
         notes = [f"{label}: {d['local_prefills']} local prefills, {d['kept_decodes']} kept decodes, "
                  f"{len(d['flips'])} flips" for label, d in extra.items()
                  if d.get("local_prefills") or d.get("kept_decodes") or d.get("flips")]
+        for label, d in extra.items():
+            if d.get("scaling"):
+                acts = [e["action"] for e in d["scaling"]]
+                notes.append(f"{label}: autoscaled ({acts.count('autoscale-add')} added, "
+                             f"{acts.count('autoscale-remove')} removed), {d['instance_s']:.1f} instance-seconds "
+                             f"provisioned")
         if notes:
             lines += ["", "; ".join(notes) + "."]
     lines += plot_section(plots, relative_to)
