@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from pathlib import Path
 
 from tqdm import tqdm
 
 from tetriinfer.bench.metrics import summarize
+from tetriinfer.bench.report import publish_markdown
 from tetriinfer.bench.workloads import Workload, load_workload
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig
@@ -103,11 +103,7 @@ def main() -> None:
         for f in flips_out[label]:
             lines.append(f"| {f['instance']} | {f['from']} | {f['to']} | {f['decided_s']:.1f} | {f['drained_s']:.1f} | "
                          f"{f['switched_s']:.1f} |")
-    md = "\n".join(lines) + "\n"
-    print(md)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(md)
+    publish_markdown(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -139,8 +139,10 @@ def test_property_pool_stays_within_bounds_and_one_command_at_a_time(loads, min_
         for c in cmds:
             pending = True
             if c.action is ScaleAction.ADD:
-                pool[f"{c.role}-{next_id[c.role]}"] = c.role
-                next_id[c.role] += 1
+                assert 1 <= c.count <= cfg.max_step
+                for _ in range(c.count):
+                    pool[f"{c.role}-{next_id[c.role]}"] = c.role
+                    next_id[c.role] += 1
             else:
                 assert c.instance_id in pool and pool[c.instance_id] == c.role
                 del pool[c.instance_id]
@@ -148,3 +150,59 @@ def test_property_pool_stays_within_bounds_and_one_command_at_a_time(loads, min_
         assert len(pool) <= cfg.max_instances
         for role in ("prefill", "decode"):
             assert sum(1 for r in pool.values() if r == role) >= min_per_role
+
+
+def test_scale_out_is_sized_to_bring_the_role_to_the_middle_of_the_band() -> None:
+    """ADD count = ceil(n x mean / ((high + low) / 2)) - n, at least 1, at most max_step and what max_instances
+    leaves: a saturated pair of prefill instances (mean 1.0, band middle 0.5) asks for 2 more."""
+    roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}
+    hot = [rep("prefill-0", 1.0), rep("prefill-1", 1.0), rep("decode-0", 0.5, role=Role.DECODE, running=3)]
+    cfg = ScaleConfig(enabled=True, high=0.8, low=0.2, window_s=1.0, cooldown_s=1.0, max_instances=16)
+    [(_, cmd)] = drive(ScalePolicy(cfg), hot, roles, 0.0, 1.15)
+    assert cmd.action is ScaleAction.ADD and cmd.role == "prefill" and cmd.count == 2
+    just = [rep("prefill-0", 0.85), rep("prefill-1", 0.85), hot[2]]  # ceil(3.4) - 2 = 2
+    assert drive(ScalePolicy(cfg), just, roles, 0.0, 1.15)[0][1].count == 2
+    wide = ScaleConfig(enabled=True, high=0.6, low=0.0, window_s=1.0, cooldown_s=1.0, max_instances=16)
+    assert drive(ScalePolicy(wide), hot, roles, 0.0, 1.15)[0][1].count == 4  # ceil(2 / 0.3) - 2 = 5 -> max_step 4
+    capped = ScaleConfig(enabled=True, high=0.8, low=0.2, window_s=1.0, cooldown_s=1.0, max_instances=4)
+    assert drive(ScalePolicy(capped), hot, roles, 0.0, 1.15)[0][1].count == 1  # 3 in the pool, 4 at most
+    one_step = ScaleConfig(enabled=True, high=0.6, low=0.0, window_s=1.0, cooldown_s=1.0, max_step=1)
+    assert drive(ScalePolicy(one_step), hot, roles, 0.0, 1.15)[0][1].count == 1
+    with pytest.raises(ValueError):
+        ScaleConfig(max_step=0)
+
+
+def test_step_inflation_counts_what_decodes_wait_through_on_a_colocated_instance() -> None:
+    """TPOT inflation: a prefill-only step while decodes are running is a stall (its seconds count, no decode
+    step); a mixed step counts whole but never teaches t1; a prefill step with no decode waiting counts nothing."""
+    from tetriinfer.core.request import Request
+    from tetriinfer.core.sampling_params import SamplingParams
+    from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind
+    from tetriinfer.core.step_inflation import StepInflation, decode_rows
+
+    def seg(rid: str, start: int, n: int) -> ScheduledSegment:
+        return ScheduledSegment(rid, start, (1,) * n, (0,), True, SamplingParams(), 0)
+
+    decode = SchedulerOutput(1, StepKind.DECODE, (seg("a", 10, 1),))
+    prefill = SchedulerOutput(2, StepKind.PREFILL, (seg("b", 0, 64),))
+    mixed = SchedulerOutput(3, StepKind.MIXED, (seg("a", 11, 1), seg("b", 64, 32)))
+    assert (decode_rows(decode), decode_rows(prefill), decode_rows(mixed)) == (1, 0, 1)
+    decoding = Request("a", [1] * 10, SamplingParams(max_tokens=8))
+    decoding.output_token_ids.append(5)
+    fresh = Request("b", [1] * 96, SamplingParams(max_tokens=8))
+
+    est = StepInflation()
+    est.observe_colocated(mixed, 0.05, [decoding, fresh])
+    assert est.t1 is None  # a batch-1 mixed step is not a batch-1 decode step
+    est.observe_colocated(decode, 0.01, [decoding, fresh])
+    assert est.t1 == 0.01
+    est.take()
+    est.observe_colocated(prefill, 0.03, [fresh])  # nobody decoding: not a stall
+    assert est.take() == 0.0
+    est.observe_colocated(prefill, 0.03, [decoding, fresh])
+    est.observe_colocated(decode, 0.01, [decoding, fresh])
+    assert est.take() == pytest.approx(1 - 0.01 / 0.04)  # one decode token took the stall plus its own step
+    est.observe_colocated(prefill, 0.03, [decoding, fresh])
+    assert est.take() == 1.0  # decodes waited all window
+    est.observe_colocated(mixed, 0.02, [decoding, fresh], batch1_seconds=0.008)  # a costed batch-1 step refines t1
+    assert est.t1 == 0.008 and est.take() == pytest.approx(1 - 0.008 / 0.02)

@@ -241,3 +241,13 @@ def summary_text(result: dict[str, Any]) -> str:
         rows.append(("Outputs not of the requested length", str(s["output_len_mismatch"])))
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(f"{k:<{width}}{v:>12}" for k, v in rows)
+
+
+def publish_markdown(lines: Sequence[str], out: str | Path | None) -> str:
+    """Join report ``lines``, print them, and write them to ``out`` (parents created) when given."""
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(md)
+    return md

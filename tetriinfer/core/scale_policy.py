@@ -15,9 +15,12 @@ that role's ACTIVE instances. Load, in [0, 1]:
   ``inflation`` = max(KV usage, how much batching slows each step vs batch 1)).
 
 Rules, evaluated once the role's samples span ``window_s``:
-- ADD one instance of the role whose mean load over the window is >= ``high`` (the higher mean if several), if
-  the pool has fewer than ``max_instances``;
-- else REMOVE the least-loaded instance (latest report; ties: the youngest id) of a role whose mean load over the
+- ADD instances of the role whose mean load over the window is >= ``high`` (the higher mean if several), if the
+  pool has fewer than ``max_instances``: as many as bring the role's mean to the middle of the band, ``ceil(n x
+  mean / ((high + low) / 2)) - n`` for ``n`` active instances (at least 1; at most ``max_step`` and what
+  ``max_instances`` leaves). Loads saturate at 1, so under heavy overload this is a lower bound: a later window
+  adds more;
+- else REMOVE one instance: the least-loaded (latest report; ties: the youngest id) of a role whose mean load over the
   window is <= ``low`` and which has more than ``min_per_role`` ACTIVE instances.
 
 At most one command at a time: after issuing one, ``observe`` returns nothing until the runtime calls
@@ -31,6 +34,7 @@ command is never issued for a role with no report; ``low < high`` (so a load can
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +54,7 @@ class ScaleCommand:
     action: ScaleAction
     role: str
     instance_id: str | None = None  # REMOVE: which one
+    count: int = 1  # ADD: how many instances
     mean_load: float = 0.0  # the window mean that triggered it
 
 
@@ -63,6 +68,7 @@ class ScaleConfig:
     min_per_role: int = 1
     max_instances: int = 8
     decode_load: str = "inflation"  # busy | kv | inflation
+    max_step: int = 4  # most instances one ADD starts
 
     def __post_init__(self) -> None:
         if not 0 <= self.low < self.high <= 1:
@@ -73,6 +79,8 @@ class ScaleConfig:
             raise ValueError(f"autoscale min_per_role must be >= 1, got {self.min_per_role}")
         if self.max_instances < 1:
             raise ValueError(f"autoscale max_instances must be >= 1, got {self.max_instances}")
+        if self.max_step < 1:
+            raise ValueError(f"autoscale max_step must be >= 1, got {self.max_step}")
         if self.decode_load not in ("busy", "kv", "inflation"):
             raise ValueError(f"autoscale decode_load must be busy, kv or inflation, got {self.decode_load!r}")
 
@@ -133,7 +141,10 @@ class ScalePolicy:
         hot = [(m, role) for role, m in means.items() if m >= c.high]
         if hot and len(roles) < c.max_instances:
             m, role = max(hot)
-            return ScaleCommand(ScaleAction.ADD, role, mean_load=m)
+            n = len(by_role[role])
+            want = math.ceil(n * m / ((c.high + c.low) / 2) - 1e-9) - n
+            count = max(1, min(want, c.max_step, c.max_instances - len(roles)))
+            return ScaleCommand(ScaleAction.ADD, role, mean_load=m, count=count)
         for role, m in sorted(means.items(), key=lambda kv: kv[1]):
             reps = by_role[role]
             if m <= c.low and len(reps) > c.min_per_role:

@@ -333,11 +333,13 @@ class ClusterEngineClient:
         """Carry out one autoscaling command; the policy hears when it is done (or failed) and cools down."""
         try:
             if cmd.action is ScaleAction.ADD:
-                entry = await self.add_instance(cmd.role, action="autoscale-add")
+                for _ in range(cmd.count):  # membership changes run one at a time (the scale lock)
+                    entry = await self.add_instance(cmd.role, action="autoscale-add")
+                    entry["mean_load"] = cmd.mean_load
             else:
                 assert cmd.instance_id is not None
                 entry = await self.remove_instance(cmd.instance_id, action="autoscale-remove")
-            entry["mean_load"] = cmd.mean_load
+                entry["mean_load"] = cmd.mean_load
         except Exception as e:  # noqa: BLE001 - recorded; the pool stays as it is
             self.scale_log.append({"action": f"autoscale-{cmd.action.value}-failed", "role": cmd.role,
                                    "instance": cmd.instance_id, "error": str(e), "time": time.time()})

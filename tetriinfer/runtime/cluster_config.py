@@ -95,6 +95,7 @@ class ClusterConfig:
     autoscale_cooldown_s: float = 10.0
     autoscale_max_instances: int = 8
     autoscale_decode_load: str = "inflation"
+    autoscale_max_step: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -133,7 +134,8 @@ class ClusterConfig:
     def scale_config(self) -> ScaleConfig:
         return ScaleConfig(enabled=self.autoscale, high=self.autoscale_high, low=self.autoscale_low,
                            window_s=self.autoscale_window_s, cooldown_s=self.autoscale_cooldown_s,
-                           max_instances=self.autoscale_max_instances, decode_load=self.autoscale_decode_load)
+                           max_instances=self.autoscale_max_instances, decode_load=self.autoscale_decode_load,
+                           max_step=self.autoscale_max_step)
 
     @property
     def disaggregated(self) -> bool:

@@ -28,7 +28,7 @@ class ColocatedWorker:
     def __init__(self, ctx: InstanceContext) -> None:
         spec = ctx.spec
         self.ctx = ctx
-        self.inflation = StepInflation()  # how much batching slows decode steps (the autoscaler's TPOT signal)
+        self.inflation = StepInflation()  # TPOT vs batch 1, prefill stalls included (autoscaler signal)
         if spec.colocated_policy == "chunked":
             self.scheduler = LocalScheduler(
                 LocalSchedulerConfig(
@@ -72,8 +72,7 @@ class ColocatedWorker:
         out = self.scheduler.schedule()
         t0 = time.perf_counter()
         result = self.ctx.runner.execute(out)
-        if out.is_decode_only:
-            self.inflation.observe(len(out.segments), time.perf_counter() - t0)
+        self.inflation.observe_colocated(out, time.perf_counter() - t0, self.scheduler.running)
         upd = self.scheduler.update(out, result)
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         return not out.is_empty

@@ -82,13 +82,15 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     scale = p.add_argument_group("autoscaling (core.scale_policy; changes the pool through the same paths as "
                                  "POST/DELETE /cluster/instances)")
     scale.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=False,
-                       help="add an instance of a role whose mean load over the window is >= --autoscale-high, "
-                            "remove the least-loaded of a role whose mean is <= --autoscale-low (drained first)")
+                       help="add instances to a role whose mean load over the window is >= --autoscale-high "
+                            "(enough to bring it to the band's middle, at most --autoscale-max-step), remove the "
+                            "least-loaded of a role whose mean is <= --autoscale-low (drained first)")
     scale.add_argument("--autoscale-high", type=float, default=0.8)
     scale.add_argument("--autoscale-low", type=float, default=0.2)
     scale.add_argument("--autoscale-window", type=float, default=5.0, help="seconds of load behind a decision")
     scale.add_argument("--autoscale-cooldown", type=float, default=10.0, help="seconds after a change before the next")
     scale.add_argument("--autoscale-max-instances", type=int, default=8)
+    scale.add_argument("--autoscale-max-step", type=int, default=4, help="most instances one scale-out adds")
     scale.add_argument("--autoscale-decode-load", default="inflation", choices=["busy", "kv", "inflation"],
                        help="how a decode instance's load is judged (see --flip-decode-load)")
     p.add_argument("--startup-timeout", type=float, default=180.0,
@@ -127,7 +129,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         replace_dead=args.replace_dead, autoscale=args.autoscale, autoscale_high=args.autoscale_high,
         autoscale_low=args.autoscale_low, autoscale_window_s=args.autoscale_window,
         autoscale_cooldown_s=args.autoscale_cooldown, autoscale_max_instances=args.autoscale_max_instances,
-        autoscale_decode_load=args.autoscale_decode_load,
+        autoscale_decode_load=args.autoscale_decode_load, autoscale_max_step=args.autoscale_max_step,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )
 

@@ -413,14 +413,15 @@ class SimCluster:
             self.loop.after(c.report_interval_s, self._monitor)
 
     def _scale(self, cmd: ScaleCommand, now: float) -> None:
-        """Autoscaling, as the runtime does it: ADD -> a new instance reports (and takes work) after
+        """Autoscaling, as the runtime does it: ADD -> ``cmd.count`` new instances report (and take work) after
         ``scale_out_s``, provisioned (paid for) from the decision on; REMOVE -> the instance drains (DRAINING from
         this report on: not routed or dispatched to), and leaves once empty (``_retire_drained``)."""
         if cmd.action is ScaleAction.ADD:
             def start() -> None:
-                inst = self._add(cmd.role, at=now)
-                self.scale_log.append({"action": "autoscale-add", "instance": inst.iid, "role": cmd.role,
-                                       "decided_s": now, "started_s": self.loop.now, "mean_load": cmd.mean_load})
+                for _ in range(cmd.count):
+                    inst = self._add(cmd.role, at=now)
+                    self.scale_log.append({"action": "autoscale-add", "instance": inst.iid, "role": cmd.role,
+                                           "decided_s": now, "started_s": self.loop.now, "mean_load": cmd.mean_load})
                 self.scale.finished(self.loop.now)
 
             self.loop.after(self.config.scale_out_s, start)

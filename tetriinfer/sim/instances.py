@@ -37,7 +37,7 @@ from tetriinfer.core.load import (
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
 from tetriinfer.core.step import SchedulerOutput, StepResult, merge_steps, split_result
-from tetriinfer.core.step_inflation import StepInflation
+from tetriinfer.core.step_inflation import StepInflation, decode_segments
 from tetriinfer.sim.cost_model import CostModel
 from tetriinfer.sim.events import EventLoop
 
@@ -394,9 +394,9 @@ class SimColocated(SimInstance):
         return self.scheduler.schedule() if self.scheduler.has_unfinished() else None
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
-        if out.is_decode_only:  # as the runtime's colocated worker
-            one = replace(out, segments=out.segments[:1])
-            self.inflation.observe(len(out.segments), self.step_seconds, self.cost.step_seconds(one))
+        rows = decode_segments(out)
+        one = self.cost.step_seconds(replace(out, segments=tuple(rows[:1]), num_padding_tokens=0)) if rows else None
+        self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one)  # as the runtime
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
 
