@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--scale-out-s", type=float, default=15.0,
                     help="decision -> serving (process start + 26 GB of weights; ServerlessLLM-style loading "
                          "is a few seconds, a plain safetensors load tens)")
+    ap.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run each autoscaling column with --rebalance (queued requests move to new instances)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
@@ -109,6 +111,9 @@ def main() -> None:
         f"tetriinfer 1P+1D..{args.max} --autoscale": ClusterConfig(prefill_instances=1, decode_instances=1,
                                                                    **tetri, **auto),
     }
+    if args.rebalance:
+        for label in [k for k in columns if k.endswith("--autoscale")]:
+            columns[label + " --rebalance"] = replace(columns[label], rebalance=True)
     rows: list[dict[str, Any]] = []
     timelines: dict[str, list[tuple[float, int]]] = {}
     for label, cc in tqdm(columns.items(), desc="columns"):
@@ -121,7 +126,8 @@ def main() -> None:
         rows.append({"column": label, "ttft": s["ttft"]["mean"], "ttft_p99": s["ttft"]["p99"],
                      "jct": s["jct"]["mean"], "tpot": s["tpot"]["mean"], "instance_s": res.instance_s,
                      "busy_s": res.resource_s, "adds": acts.count("autoscale-add"),
-                     "removes": acts.count("autoscale-remove"), "completed": s["completed"]})
+                     "removes": acts.count("autoscale-remove"), "completed": s["completed"],
+                     "moved": res.migrated, "mode": cc.mode})
         if cc.autoscale:
             initial = [i for i in res.alive_s if not any(e["instance"] == i and e["action"] == "autoscale-add"
                                                          for e in res.scaling)]
@@ -139,19 +145,24 @@ def main() -> None:
         "- Instance-seconds: provisioned (what a pool that grows and shrinks pays); busy: seconds spent in steps.",
         f"- Command: `python benchmarks/sim_autoscale.py --profile {args.profile} --max {args.max} "
         f"--max-step {args.max_step} --scale-out-s {args.scale_out_s:g}`.", "",
-        "| column | TTFT mean s | TTFT p99 s | JCT mean s | TPOT ms | instance-s | busy s | added | removed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "- `--rebalance`: each monitor round, the instance with the most queued requests hands up to half of its "
+        "unstarted ones back to be routed again when a peer of its tier has an empty queue (a new instance, typically).",
+        "",
+        "| column | TTFT mean s | TTFT p99 s | JCT mean s | TPOT ms | instance-s | busy s | added | removed | moved |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['column']} | {r['ttft']:.3f} | {r['ttft_p99']:.2f} | {r['jct']:.2f} | "
                      f"{r['tpot'] * 1e3:.1f} | {r['instance_s']:.0f} | {r['busy_s']:.0f} | {r['adds']} | "
-                     f"{r['removes']} |")
+                     f"{r['removes']} | {r['moved']} |")
     lines.append("")
-    for small, peak, scaled in (rows[0:3], rows[3:6]):
-        lines.append(f"- `{scaled['column']}` vs `{peak['column']}`: instance-seconds x"
-                     f"{scaled['instance_s'] / peak['instance_s']:.2f}, TTFT x{scaled['ttft'] / peak['ttft']:.2f}, "
-                     f"JCT x{scaled['jct'] / peak['jct']:.2f}; vs `{small['column']}`: JCT "
-                     f"x{scaled['jct'] / small['jct']:.2f}, TTFT p99 x{scaled['ttft_p99'] / small['ttft_p99']:.2f}.")
+    by_mode = {mode: [r for r in rows if r["mode"] == mode] for mode in ("colocated", "tetriinfer")}
+    for small, peak, *scaled_rows in by_mode.values():
+        for scaled in scaled_rows:
+            lines.append(f"- `{scaled['column']}` vs `{peak['column']}`: instance-seconds x"
+                         f"{scaled['instance_s'] / peak['instance_s']:.2f}, TTFT x{scaled['ttft'] / peak['ttft']:.2f}, "
+                         f"JCT x{scaled['jct'] / peak['jct']:.2f}; vs `{small['column']}`: JCT "
+                         f"x{scaled['jct'] / small['jct']:.2f}, TTFT p99 x{scaled['ttft_p99'] / small['ttft_p99']:.2f}.")
     if args.plot:
         import matplotlib
 

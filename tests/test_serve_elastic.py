@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,8 +23,10 @@ def _model(base_url: str) -> str:
     return httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def _complete(base_url: str, model: str, i: int, max_tokens: int) -> tuple[int, int]:
-    body = {"model": model, "prompt": "scale me " * (4 + 9 * (i % 5)), "max_tokens": max_tokens,
+def _complete(base_url: str, model: str, i: int, max_tokens: int,
+              prompt: Callable[[int], str] | None = None) -> tuple[int, int]:
+    text = prompt(i) if prompt is not None else "scale me " * (4 + 9 * (i % 5))
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0.0}
     r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=180)
     return r.status_code, (r.json()["usage"]["completion_tokens"] if r.status_code == 200 else -1)
@@ -161,5 +164,47 @@ def test_autoscale_adds_under_load_and_removes_when_idle(tiny_llama: Path) -> No
         assert scaling[0]["mean_load"] >= 0.6 and scaling[1]["mean_load"] <= 0.05
         assert len(_instances(srv)) == 1
         assert _complete(srv.base_url, model, 5, 10) == (200, 10)
+    finally:
+        srv.stop()
+
+
+REBALANCE_CASES = {  # tier -> serve args, donor, role to add, the id it gets, requests, tokens each, prompt
+    "colocated": (["--mode", "colocated", "--instances", "1", "--max-num-seqs", "2"], "instance-0", "colocated",
+                  "instance-1", 16, 64, None),
+    "prefill": (["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--kv-backend", "tcp",
+                 "--chunk-size", "64"], "prefill-0", "prefill", "prefill-1", 48, 8, "rebalance the prefill queue "),
+}
+
+
+@pytest.mark.parametrize("tier", list(REBALANCE_CASES))
+def test_rebalance_moves_queued_requests_to_an_added_instance(tiny_llama: Path, tier: str) -> None:
+    """--rebalance: requests queue on the tier's one instance (colocated: 2 running at most; prefill: long prompts
+    behind 64-token chunks), then an instance of the tier is added. It was not there when they were routed, so
+    only rebalancing can give it work: it takes unstarted requests from the backed-up one; every request
+    completes with its exact length and every block is free after."""
+    args, donor, role, added_id, n, tokens, words = REBALANCE_CASES[tier]
+    srv = ServeProcess(tiny_llama, *args, "--rebalance", "--report-interval", "0.2")
+    try:
+        model = _model(srv.base_url)
+        prompt = (lambda i: words * (120 + i)) if words else None
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            results = [pool.submit(_complete, srv.base_url, model, i, tokens, prompt) for i in range(n)]
+            deadline = time.monotonic() + 60
+            while _instances(srv)[donor]["queued"] < 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            added = httpx.post(f"{srv.base_url}/cluster/instances", json={"role": role}, timeout=300)
+            assert added.status_code == 200 and added.json()["instance"] == added_id, added.text
+            assert [f.result() for f in results] == [(200, tokens)] * n
+        cluster = srv.cluster()
+        assert cluster["rebalance"]["migrated"] >= 1 and cluster["rebalance"]["moves"] >= 1, cluster["rebalance"]
+        info = _instances(srv)
+        assert info[added_id]["steps"] > 0, "the added instance never got a request"
+        assert cluster["requests_in_flight"] == 0
+        deadline = time.monotonic() + 10  # the next load reports show every block free again
+        while any(i["kv_blocks_used"] for i in info.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            info = _instances(srv)
+        assert all(i["kv_blocks_used"] == 0 and i["queued"] == 0 for i in info.values()), info
+        assert _complete(srv.base_url, model, 1, 5) == (200, 5)
     finally:
         srv.stop()

@@ -19,7 +19,7 @@ from tetriinfer.bench.workloads import Workload, WorkloadRequest, load_workload
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind
 from tetriinfer.runtime.cluster_config import ClusterConfig
-from tetriinfer.sim.cluster import SimCluster, SimConfig
+from tetriinfer.sim.cluster import SimCluster, SimConfig, SimResult
 from tetriinfer.sim.cost_model import (
     HARDWARE_PRESETS,
     ProfileCostModel,
@@ -151,9 +151,10 @@ MODES = {
                        decode_policy="reserve-static"),
     "tetri-auto": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, autoscale=True, autoscale_window_s=0.3,
                        autoscale_cooldown_s=0.1, autoscale_high=0.5, autoscale_low=0.1, autoscale_max_instances=5,
-                       autoscale_decode_load="busy"),
+                       autoscale_decode_load="busy", rebalance=True),
     "colocated-auto": dict(mode="colocated", autoscale=True, autoscale_window_s=0.3, autoscale_cooldown_s=0.1,
-                           autoscale_high=0.5, autoscale_low=0.1, autoscale_max_instances=4),
+                           autoscale_high=0.5, autoscale_low=0.1, autoscale_max_instances=4, rebalance=True,
+                           max_num_seqs=8),
 }
 
 
@@ -220,25 +221,30 @@ def test_flip_moves_an_idle_prefill_instance_to_decode_without_losing_requests()
     assert all(f["switched_s"] >= f["drained_s"] >= f["decided_s"] for f in res.flips)
 
 
+BURST = Workload("burst", tuple([WorkloadRequest(f"b{i}", i / 8, 300, 120) for i in range(120)]
+                                + [WorkloadRequest(f"t{i}", 20.0 + 6.0 * i, 300, 120) for i in range(12)]),
+                 "test", "trace", None, 0)  # 15 s at 8 req/s, then one request every 6 s
+BURST_AUTO = dict(autoscale=True, autoscale_window_s=3.0, autoscale_cooldown_s=0.5, autoscale_high=0.6,
+                  autoscale_low=0.2, autoscale_max_instances=4)
+
+
+def run_burst(instances: int, **over: object) -> SimResult:
+    """``BURST`` on colocated instances running at most 16 requests each; new instances serve 2 s after the
+    decision. Checks every request's record."""
+    cfg = replace(sim_config("colocated", blocks=2000, instances=instances, max_num_seqs=16, **over),
+                  scale_out_s=2.0)
+    res = SimCluster(cfg, COST).run(BURST)
+    check_run(BURST, res.records)
+    return res
+
+
 def test_autoscale_grows_under_a_burst_and_shrinks_after_it() -> None:
     """One colocated instance (at most 16 running requests, so a burst queues), a 15 s burst at 8 req/s, then a
-    sparse tail: the same scaling rule as the runtime adds instances during the burst (each taking work scale_out_s after the decision) and drains them away after;
+    sparse tail: the same scaling rule as the runtime adds instances during the burst (each taking work
+    scale_out_s after the decision) and drains them away after;
     every request finishes, every pool is whole, and the pool pays fewer instance-seconds than a fixed pool of the
     peak size while finishing the burst far sooner than one instance."""
-    reqs = [WorkloadRequest(f"b{i}", i / 8, 300, 120) for i in range(120)]
-    reqs += [WorkloadRequest(f"t{i}", 20.0 + 6.0 * i, 300, 120) for i in range(12)]
-    wl = Workload("burst", tuple(reqs), "test", "trace", None, 0)
-    auto = dict(autoscale=True, autoscale_window_s=3.0, autoscale_cooldown_s=0.5, autoscale_high=0.6,
-                autoscale_low=0.2, autoscale_max_instances=4)
-
-    def run(instances: int, **over: object):
-        cfg = replace(sim_config("colocated", blocks=2000, instances=instances, max_num_seqs=16, **over),
-                      scale_out_s=2.0)
-        res = SimCluster(cfg, COST).run(wl)
-        check_run(wl, res.records)
-        return res
-
-    scaled, one, peak = run(1, **auto), run(1), run(4)
+    scaled, one, peak = run_burst(1, **BURST_AUTO), run_burst(1), run_burst(4)
     actions = [e["action"] for e in scaled.scaling]
     assert actions.count("autoscale-add") >= 2 and actions.count("autoscale-remove") >= 1, scaled.scaling
     for e in scaled.scaling:
@@ -259,6 +265,19 @@ def test_autoscale_grows_under_a_burst_and_shrinks_after_it() -> None:
     assert scaled.instance_s < 0.8 * peak.instance_s
     jct = {name: summarize(r.records)["jct"]["mean"] for name, r in (("auto", scaled), ("one", one))}
     assert jct["auto"] < 0.8 * jct["one"]
+
+
+def test_rebalance_moves_queued_requests_onto_instances_added_by_autoscaling() -> None:
+    """The burst above, autoscaled, with and without --rebalance: the backed-up first instance hands unstarted
+    queued requests to the instances autoscaling adds, which cuts mean TTFT and JCT; every request still ends
+    exactly once with its length; a balanced fixed pool moves nothing."""
+    plain, moved = run_burst(1, **BURST_AUTO), run_burst(1, rebalance=True, **BURST_AUTO)
+    s_plain, s_moved = summarize(plain.records), summarize(moved.records)
+    assert plain.migrated == 0 and moved.migrated >= 10
+    assert s_moved["ttft"]["mean"] < 0.9 * s_plain["ttft"]["mean"]
+    assert s_moved["jct"]["mean"] < s_plain["jct"]["mean"]
+    balanced = run_burst(4, rebalance=True)
+    assert balanced.migrated == 0
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -83,6 +83,11 @@ class _ColocatedBase:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_unstarted(self, limit: int) -> list[Request]:
+        """Hand up to ``limit`` waiting requests with no progress here (newest first) to the caller, to run on
+        another instance: they leave the table unfinished (no status change, nothing to free, not reported)."""
+        return self._table.take_unstarted(list(self.waiting), limit, self.waiting.remove)
+
     def abort(self, request_id: str) -> Request | None:
         return self._table.finish(request_id, RequestStatus.FINISHED_ABORTED)
 

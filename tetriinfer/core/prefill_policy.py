@@ -92,6 +92,10 @@ class PrefillQueue:
     def requests(self) -> list[Request]:
         return list(self._scheduled) + list(self._raw)
 
+    def arrival_order(self) -> list[Request]:
+        """Every queued request, oldest arrival at this queue first."""
+        return sorted(self.requests(), key=lambda r: self._seq[r.request_id])
+
     def batch_index(self, request_id: str) -> int | None:
         """Index of the batch the request was sorted in (None before its batch is formed, or SRTF)."""
         return self._batch_of.get(request_id)

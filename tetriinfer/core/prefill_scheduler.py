@@ -119,6 +119,15 @@ class PrefillScheduler:
     def has_unfinished(self) -> bool:
         return bool(self._table)
 
+    def take_unstarted(self, limit: int) -> list[Request]:
+        """Hand up to ``limit`` waiting requests with no progress here (newest first) to the caller, to run on
+        another instance: they leave the table unfinished (no status change, nothing to free, not reported)."""
+        def unqueue(req: Request) -> None:
+            self.queue.remove(req.request_id)
+            self._awaiting_prediction.discard(req.request_id)
+
+        return self._table.take_unstarted(self.queue.arrival_order(), limit, unqueue)
+
     @property
     def num_queued(self) -> int:
         return len(self.queue)

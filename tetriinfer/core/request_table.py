@@ -22,7 +22,7 @@ finished and empties the list. ``view`` is a live read-only mapping for callers 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, ValuesView
+from collections.abc import Callable, Iterator, Mapping, Sequence, ValuesView
 from types import MappingProxyType
 
 from tetriinfer.core.kv_cache_manager import KVCacheManager
@@ -90,6 +90,15 @@ class RequestTable:
         freeing, not recorded as finished. Unknown ids raise KeyError."""
         return self._requests.pop(request_id)
 
+    def take_unstarted(self, queued: Sequence[Request], limit: int, unqueue: Callable[[Request], None]) -> list[Request]:
+        """Remove up to ``limit`` of ``queued`` that made no progress (``unstarted_newest_first``): ``unqueue``
+        takes each out of the scheduler's queue, then it leaves the table unfinished (``remove``)."""
+        picked = unstarted_newest_first(queued, self._kv, limit)
+        for req in picked:
+            unqueue(req)
+            self.remove(req.request_id)
+        return picked
+
     # ---- finishing -----------------------------------------------------------------------
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a held, unfinished request (``mark_finished``) and return it; None (and no change) for
@@ -118,3 +127,17 @@ class RequestTable:
         ids = tuple(self._finished_since_last)
         self._finished_since_last.clear()
         return ids
+
+
+def unstarted_newest_first(queued: Sequence[Request], kv: KVCacheManager, limit: int) -> list[Request]:
+    """Up to ``limit`` of ``queued`` (in arrival order) that made no progress on this instance -- nothing
+    computed, no output token, no KV block -- newest first: requests another instance can take as if they had
+    just arrived (``take_unstarted`` of the prefill and colocated schedulers; the queue rebalancer)."""
+    picked: list[Request] = []
+    for req in reversed(queued):
+        if len(picked) >= limit:
+            break
+        if (req.num_computed_tokens == 0 and not req.output_token_ids and not req.is_finished
+                and not kv.num_blocks_of(req.request_id)):
+            picked.append(req)
+    return picked

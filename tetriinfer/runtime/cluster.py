@@ -29,6 +29,7 @@ import zmq.asyncio
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.load import LoadReport, Role
+from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
 from tetriinfer.engine.model_config import ModelConfig
@@ -54,6 +55,8 @@ from tetriinfer.runtime.messages import (
     TransferStat,
     WireLoad,
     WireParams,
+    Yield,
+    Yielded,
     decode,
     encode,
 )
@@ -97,6 +100,7 @@ class _Stream:
     instances: set[str] = field(default_factory=set)
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    new_request: NewRequest | None = None  # what was sent, kept to route it again (queue rebalancing)
 
 
 class ClusterEngineClient:
@@ -122,6 +126,8 @@ class ClusterEngineClient:
         self.flip_log: list[dict[str, Any]] = []
         self.scale_log: list[dict[str, Any]] = []  # add / remove / replace events, in order
         self.scale_policy = ScalePolicy(config.scale_config())
+        self.rebalancer = Rebalancer(config.rebalance_config())
+        self.num_migrated = 0  # requests handed back unstarted and routed again (--rebalance)
         self._next_id: dict[str, int] = {}  # role -> next instance number (ids are never reused)
         self._front_address = ""
         self._scale_lock = asyncio.Lock()  # one membership change at a time
@@ -328,6 +334,7 @@ class ClusterEngineClient:
             self._launcher.release(info.slot)
         if self.config.flip:
             self.flip_policy.remove(info.instance_id)
+        self.rebalancer.forget(info.instance_id)
 
     async def _autoscale(self, cmd: ScaleCommand) -> None:
         """Carry out one autoscaling command; the policy hears when it is done (or failed) and cools down."""
@@ -471,6 +478,7 @@ class ClusterEngineClient:
                 request_id, list(prompt_token_ids), WireParams.from_params(params), time.time(),
                 self.eos_token_id, oracle_output_tokens,
             )
+            stream.new_request = msg
             await self.instances[target].socket.send(encode(msg))  # type: ignore[union-attr]
             while True:
                 event: TokenEvent = await stream.queue.get()
@@ -494,11 +502,15 @@ class ClusterEngineClient:
         acc[0] += 1
         acc[1] += rec.ttft
 
-    async def _route(self, request_id: str) -> str:
+    async def _route(self, request_id: str, avoid: str | None = None) -> str:
         """The instance that prefills this request; only live instances are candidates (a dead one's last load
-        report stays in the table). Raises when no instance that can prefill is alive."""
+        report stays in the table), and not ``avoid`` while another live instance of its role is. Raises when no
+        instance that can prefill is alive."""
         while True:
             live = [i for i in self.instances.values() if i.routable]
+            avoided = self.instances.get(avoid) if avoid is not None else None
+            if avoided is not None and any(i.role == avoided.role and i is not avoided for i in live):
+                live = [i for i in live if i is not avoided]
             if not any(i.role in ("prefill", "colocated") or (self.config.local_prefill and i.role == "decode")
                        for i in live):
                 raise RuntimeError("no live instance can prefill this request (see /cluster)")
@@ -602,6 +614,8 @@ class ClusterEngineClient:
                 if info is not None and info.hello is None:
                     info.hello = msg
                     info.last_seen = time.time()
+            elif isinstance(msg, Yielded):
+                self._tasks.append(asyncio.create_task(self._on_yielded(msg)))
             elif isinstance(msg, Retired):
                 info = self.instances.get(msg.instance_id)
                 if info is not None:
@@ -612,6 +626,29 @@ class ClusterEngineClient:
                 if self.metrics is not None and hasattr(self.metrics, "observe_predictor"):
                     for secs in msg.latencies_s:
                         self.metrics.observe_predictor(secs)
+
+    async def _on_yielded(self, msg: Yielded) -> None:
+        """Queue rebalancing: the donor handed these requests back unstarted; route each again, the donor
+        avoided. A request whose client went away meanwhile is dropped (its abort already went to every
+        instance); one that cannot be routed now waits in ``_route`` like a new arrival."""
+        self.rebalancer.done(msg.instance_id)
+        for rid in msg.request_ids:
+            stream = self.streams.get(rid)
+            if stream is None or stream.finished or stream.new_request is None:
+                continue
+            try:
+                self.policy.reroute(rid)
+                target = await self._route(rid, avoid=msg.instance_id)
+            except (KeyError, ValueError):
+                continue  # ended meanwhile
+            except RuntimeError as e:  # nothing left that can prefill it
+                self._finish_stream(stream, "error", error=str(e))
+                continue
+            if stream.finished:
+                continue
+            stream.instances.add(target)
+            self.num_migrated += 1
+            await self.instances[target].socket.send(encode(stream.new_request))  # type: ignore[union-attr]
 
     def _on_switched(self, msg: RoleSwitched) -> None:
         info = self.instances[msg.instance_id]
@@ -635,6 +672,10 @@ class ClusterEngineClient:
                 roles = {i.instance_id: i.role for i in self.instances.values() if i.routable}
                 for cmd in self.scale_policy.observe(loads, roles, time.time()):
                     self._tasks.append(asyncio.create_task(self._autoscale(cmd)))
+            if self.config.rebalance and self._started and not self._closing:
+                roles = {i.instance_id: i.role for i in self.instances.values() if i.routable and not i.retiring}
+                for move in self.rebalancer.plan(loads, roles):
+                    await self.instances[move.donor].socket.send(encode(Yield(move.count)))  # type: ignore[union-attr]
             if self.config.flip and self.config.disaggregated and loads:
                 for cmd in self.flip_policy.observe(loads, time.time()):
                     info = self.instances[cmd.instance_id]
@@ -708,6 +749,8 @@ class ClusterEngineClient:
             "predictor": dict(self.predictor_log),
             "local_prefills": self.policy.num_local_prefills,
             "kept_decodes": self.num_kept_decodes,
+            "rebalance": {"moves": self.rebalancer.num_moves, "migrated": self.num_migrated,
+                          "pending": sorted(self.rebalancer.pending)},
             "ttft_by_prefill_role": {role: {"count": n, "mean_s": total / n}
                                      for role, (n, total) in self.ttft_by_prefill_role.items()},
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from tetriinfer.core.rebalance import RebalanceConfig
 from tetriinfer.core.scale_policy import ScaleConfig
 
 MODES = ("tetriinfer", "distserve", "colocated", "sarathi")
@@ -96,6 +97,9 @@ class ClusterConfig:
     autoscale_max_instances: int = 8
     autoscale_decode_load: str = "inflation"
     autoscale_max_step: int = 4
+    rebalance: bool = False  # core.rebalance: idle instances take unstarted queued requests from backed-up peers
+    rebalance_min_queued: int = 2
+    rebalance_max_move: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -121,6 +125,7 @@ class ClusterConfig:
         if self.local_prefill_weight < 0:
             raise ValueError("local_prefill_weight must be >= 0")
         self.scale_config()  # validates the autoscale fields
+        self.rebalance_config()
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.launcher not in ("local", "ray"):
@@ -130,6 +135,10 @@ class ClusterConfig:
                              "cannot cross hosts (use tcp or nixl; shm works only when all land on one host)")
         if not self.keep_decode_ratio > 0:
             raise ValueError(f"keep_decode_ratio must be > 0, got {self.keep_decode_ratio}")
+
+    def rebalance_config(self) -> RebalanceConfig:
+        return RebalanceConfig(enabled=self.rebalance, min_queued=self.rebalance_min_queued,
+                               max_move=self.rebalance_max_move)
 
     def scale_config(self) -> ScaleConfig:
         return ScaleConfig(enabled=self.autoscale, high=self.autoscale_high, low=self.autoscale_low,

@@ -17,6 +17,7 @@ from tetriinfer.core.colocated_scheduler import (
 )
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.local_scheduler import LocalScheduler, LocalSchedulerConfig
+from tetriinfer.core.request import Request
 from tetriinfer.core.step_inflation import StepInflation
 from tetriinfer.runtime.messages import Abort, NewRequest
 from tetriinfer.runtime.worker_base import InstanceContext
@@ -59,6 +60,9 @@ class ColocatedWorker:
 
     def poll_transfers(self) -> None:
         return None
+
+    def take_unstarted(self, limit: int) -> list[Request]:
+        return self.scheduler.take_unstarted(limit)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -182,6 +182,10 @@ class DecodeWorker:
             pass
 
     # ---- stepping ------------------------------------------------------------------------
+    def take_unstarted(self, limit: int) -> list[Request]:
+        """Nothing to give back: what a decode instance holds already has KV here (not a rebalancing tier)."""
+        return []
+
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.suspended)
 

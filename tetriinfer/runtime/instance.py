@@ -32,6 +32,8 @@ from tetriinfer.runtime.messages import (
     SetRole,
     Shutdown,
     Tokens,
+    Yield,
+    Yielded,
     decode,
     encode,
 )
@@ -178,6 +180,11 @@ class Instance:
                 self.target_role = None  # a pending flip is moot
                 self.state = InstanceState.DRAINING
                 self.drain_started = time.perf_counter()
+                self._report(force=True)
+        elif isinstance(msg, Yield):  # queue rebalancing: give back what has not started here
+            taken = self.worker.take_unstarted(msg.count) if self.state is InstanceState.ACTIVE else []
+            self._send_front(Yielded(self.spec.instance_id, [r.request_id for r in taken]))
+            if taken:
                 self._report(force=True)
         elif isinstance(msg, SetRole):
             if msg.role != self.role and msg.role in WORKERS:

@@ -100,6 +100,13 @@ class Retire(msgspec.Struct, tag=True, frozen=True):
     grace_s: float = 0.3
 
 
+class Yield(msgspec.Struct, tag=True, frozen=True):
+    """Queue rebalancing (``core.rebalance``): hand back up to ``count`` queued requests that made no progress
+    here (newest first); answered by ``Yielded``."""
+
+    count: int
+
+
 # ---- instance -> instance ----------------------------------------------------------------------
 class Handoff(msgspec.Struct, tag=True, frozen=True):
     """Prefill -> decode: a prefilled request (first token sampled); its KV waits at ``prefill_id``."""
@@ -212,6 +219,14 @@ class Retired(msgspec.Struct, tag=True, frozen=True):
     drain_s: float
 
 
+class Yielded(msgspec.Struct, tag=True, frozen=True):
+    """Instance -> front end, answering ``Yield``: these requests left this instance unstarted (no token, no KV);
+    the front end routes each again (possibly none: everything had started)."""
+
+    instance_id: str
+    request_ids: list[str]
+
+
 class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
     instance_id: str
     role: str
@@ -220,9 +235,9 @@ class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
 
 
 Message = (
-    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Retire | Handoff | PrefillDone | KVReady
-    | KVDone | Hello
-    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | Retired | PredictorStat
+    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Retire | Yield | Handoff | PrefillDone
+    | KVReady | KVDone | Hello
+    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | Retired | Yielded | PredictorStat
 )
 
 _encoder = msgspec.msgpack.Encoder()

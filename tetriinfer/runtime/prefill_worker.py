@@ -170,6 +170,14 @@ class PrefillWorker:
             if ready is not None:
                 self._stage(ready)
 
+    def take_unstarted(self, limit: int) -> list[Request]:
+        """Queue rebalancing: queued prompts with no chunk prefilled leave for another prefill instance (a
+        prediction still running for one is dropped when it lands: the request is no longer held)."""
+        taken = self.scheduler.take_unstarted(limit)
+        for req in taken:
+            self.oracle.pop(req.request_id, None)
+        return taken
+
     # ---- stepping ------------------------------------------------------------------------
     def has_work(self) -> bool:
         # Requests waiting only for their prediction do not count: the loop then sleeps on its socket

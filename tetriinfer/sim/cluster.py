@@ -29,6 +29,7 @@ from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
@@ -125,6 +126,7 @@ class SimResult:
     events: int = 0
     alive_s: dict[str, float] = field(default_factory=dict)  # per instance: seconds provisioned (start to retire)
     scaling: list[dict[str, Any]] = field(default_factory=list)
+    migrated: int = 0  # requests handed back unstarted and routed again (--rebalance)
 
     @property
     def resource_s(self) -> float:
@@ -158,6 +160,8 @@ class SimCluster:
                                            window_s=c.flip_window_s, decode_load=c.flip_decode_load,
                                            busy_threshold=c.flip_busy_threshold, idle_by=c.flip_idle_by))
         self.scale = ScalePolicy(c.scale_config())
+        self.rebalancer = Rebalancer(c.rebalance_config())
+        self.num_migrated = 0
         self.instances: dict[str, SimInstance] = {}
         self._next_id: dict[str, int] = {}
         self._started_at: dict[str, float] = {}
@@ -236,7 +240,7 @@ class SimCluster:
             steps={i.iid: i.steps for i in everyone.values()}, duration_s=duration,
             local_prefills=self.policy.num_local_prefills, kept_decodes=self.num_kept, flips=self.flip_log,
             transfer_bytes=self.links.bytes_sent, events=self.loop.num_events, alive_s=alive,
-            scaling=self.scale_log,
+            scaling=self.scale_log, migrated=self.num_migrated,
         )
 
     def _fill_closed_loop(self) -> None:
@@ -287,15 +291,18 @@ class SimCluster:
             t = self._tracked[rid]
             inst = self.instances[target]
             try:
-                req = self._new_request(t.wreq, now)  # ValueError: e.g. max_tokens 0, as a server refuses it
-                if isinstance(inst, SimDecode):
-                    inst.add_local(req)
-                elif isinstance(inst, SimPrefill | SimColocated):
-                    inst.add(req)
-                else:  # pragma: no cover - roles are closed
-                    raise AssertionError(type(inst))
+                self._admit(inst, self._new_request(t.wreq, now))  # ValueError: e.g. max_tokens 0, as a server
             except ValueError as exc:
                 self.on_failed(rid, str(exc))
+
+    @staticmethod
+    def _admit(inst: SimInstance, req: Request) -> None:
+        if isinstance(inst, SimDecode):
+            inst.add_local(req)  # conditional disaggregation: prefilled where it decodes
+        elif isinstance(inst, SimPrefill | SimColocated):
+            inst.add(req)
+        else:  # pragma: no cover - roles are closed
+            raise AssertionError(type(inst))
 
     # ---- Host: called by instances ----------------------------------------------------------
     def on_tokens(self, new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None:
@@ -403,6 +410,10 @@ class SimCluster:
             for scale_cmd in self.scale.observe(reports, roles, now):
                 self._scale(scale_cmd, now)
         self.loads = reports
+        if c.rebalance:
+            roles = {iid: self._role_of(inst) for iid, inst in self.instances.items() if iid not in self._retiring}
+            for move in self.rebalancer.plan(reports, roles):
+                self._move(move.donor, move.count, now)
         decode_loads = [r for r in reports if r.role is Role.DECODE]
         for inst in self.instances.values():
             if isinstance(inst, SimPrefill):
@@ -411,6 +422,21 @@ class SimCluster:
         self._route_pending()
         if self._open:
             self.loop.after(c.report_interval_s, self._monitor)
+
+    def _move(self, donor: str, count: int, now: float) -> None:
+        """Queue rebalancing, as the runtime does it (its Yield / Yielded round trip taken as instant): the donor
+        hands back up to ``count`` unstarted requests; each is routed again with the donor avoided (back to the
+        donor only if nothing else accepts it now)."""
+        taken = self.instances[donor].take_unstarted(count)
+        self.rebalancer.done(donor)
+        others = [r for r in self.loads if r.instance_id != donor]
+        for req in taken:
+            self.policy.reroute(req.request_id)
+            target = self.policy.route(req.request_id, others, now) or self.policy.route(req.request_id, self.loads, now)
+            if target is None:
+                raise AssertionError(f"{req.request_id}: its donor {donor} accepted it a moment ago")
+            self.num_migrated += target != donor
+            self._admit(self.instances[target], req)
 
     def _scale(self, cmd: ScaleCommand, now: float) -> None:
         """Autoscaling, as the runtime does it: ADD -> ``cmd.count`` new instances report (and take work) after

@@ -113,6 +113,11 @@ class SimInstance:
     def is_empty(self) -> bool:
         raise NotImplementedError
 
+    def take_unstarted(self, limit: int) -> list[Request]:
+        """Queue rebalancing: queued requests with no progress here leave (the runtime's ``Yield``); roles whose
+        requests all hold KV here (decode) give none."""
+        return []
+
     def kick(self) -> None:
         """Start the next step once the events of this instant are handled (as the runtime's instance loop
         drains its socket before it steps), unless a step is running."""
@@ -185,6 +190,9 @@ class SimPrefill(SimInstance):
     def add(self, req: Request) -> None:
         self.scheduler.add_request(req)
         self.kick()
+
+    def take_unstarted(self, limit: int) -> list[Request]:
+        return self.scheduler.take_unstarted(limit)
 
     def is_empty(self) -> bool:
         return not (self.scheduler.has_unfinished() or self.kept.has_unfinished() or self.staged)
@@ -386,6 +394,9 @@ class SimColocated(SimInstance):
     def add(self, req: Request) -> None:
         self.scheduler.add_request(req)
         self.kick()
+
+    def take_unstarted(self, limit: int) -> list[Request]:
+        return self.scheduler.take_unstarted(limit)
 
     def is_empty(self) -> bool:
         return not self.scheduler.has_unfinished()

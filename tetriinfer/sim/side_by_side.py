@@ -201,7 +201,7 @@ class SimSideBySide:
                         "local_prefills": res.local_prefills, "kept_decodes": res.kept_decodes,
                         "flips": res.flips, "transfer_bytes": res.transfer_bytes, "events": res.events,
                         "output_len_mismatch": s["output_len_mismatch"], "rejected": s["rejected"],
-                        "instance_s": res.instance_s, "scaling": res.scaling,
+                        "instance_s": res.instance_s, "scaling": res.scaling, "migrated": res.migrated,
                     }
                     raw.setdefault(key, {})[col.label] = {
                         "requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe(),
@@ -274,6 +274,8 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
                 notes.append(f"{label}: autoscaled ({acts.count('autoscale-add')} added, "
                              f"{acts.count('autoscale-remove')} removed), {d['instance_s']:.1f} instance-seconds "
                              f"provisioned")
+            if d.get("migrated"):
+                notes.append(f"{label}: {d['migrated']} queued requests moved to idle peers (--rebalance)")
         if notes:
             lines += ["", "; ".join(notes) + "."]
     lines += plot_section(plots, relative_to)
