@@ -443,3 +443,22 @@ def test_chat_fallback_template_without_tokenizer_template(model_dir: Path) -> N
                                           {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     ids = srv.chat_prompt_ids(req)
     assert tok.decode(ids) == "<|bos|>system: Be brief.\nuser: hi\nassistant:"
+
+
+def test_metrics_expose_pool_size_scaling_events_and_migrations() -> None:
+    from tetriinfer.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    info = {"instances": [{"id": "prefill-0", "role": "prefill", "state": "running", "queued": 3},
+                          {"id": "decode-1", "role": "decode", "state": "running"}],
+            "scaling": [{"action": "autoscale-add"}, {"action": "autoscale-add"}, {"action": "autoscale-remove"}],
+            "rebalance": {"moves": 2, "migrated": 7, "pending": []}}
+    m.update_cluster(info)
+    text = m.render()[0].decode()
+    assert 'tetriinfer_scaling_events{action="autoscale-add"} 2.0' in text
+    assert 'tetriinfer_scaling_events{action="autoscale-remove"} 1.0' in text
+    assert 'tetriinfer_instances{role="decode"} 1.0' in text and 'tetriinfer_instances{role="prefill"} 1.0' in text
+    assert "tetriinfer_requests_migrated 7.0" in text
+    m.update_cluster({"instances": [info["instances"][1]], "scaling": [], "rebalance": {"migrated": 7}})
+    text = m.render()[0].decode()
+    assert 'tetriinfer_instances{role="prefill"}' not in text and "tetriinfer_scaling_events{" not in text

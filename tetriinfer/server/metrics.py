@@ -21,6 +21,7 @@ Metric names (prefix ``tetriinfer_``):
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -88,6 +89,13 @@ class ServerMetrics:
                              registry=r)
         self.flip_seconds = Histogram("instance_flip_seconds", "Time an instance took to flip its role.",
                                       namespace=ns, registry=r, buckets=FLIP_SECONDS_BUCKETS)
+        self.scaling_events = Gauge("scaling_events", "Membership changes since start by action (add, remove, "
+                                    "autoscale-add, autoscale-remove, died, replace, ...; from /cluster).",
+                                    ["action"], namespace=ns, registry=r)
+        self.pool_size = Gauge("instances", "Instances in the pool by role (live or not; from /cluster).",
+                               ["role"], namespace=ns, registry=r)
+        self.migrated = Gauge("requests_migrated", "Requests moved unstarted to another instance since start "
+                              "(--rebalance).", namespace=ns, registry=r)
         self.predictor_seconds = Histogram(
             "length_predictor_seconds", "Latency of one output-length prediction at a prefill instance.",
             namespace=ns, registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
@@ -140,11 +148,17 @@ class ServerMetrics:
         self.predictor_seconds.observe(max(0.0, seconds))
 
     def update_cluster(self, info: Mapping[str, Any]) -> None:
-        """Replace the per-instance gauges with the values in ``cluster_info()``'s ``instances``."""
+        """Replace the per-instance gauges with the values in ``cluster_info()``'s ``instances``, and the pool
+        gauges (size by role, scaling events by action, migrated requests) with its totals."""
         instances = info.get("instances") or []
         with self._lock:
-            for gauge in (*self._instance_gauges.values(), self.instance_up):
+            for gauge in (*self._instance_gauges.values(), self.instance_up, self.scaling_events, self.pool_size):
                 gauge.clear()
+            for action, count in collections.Counter(str(e.get("action", "?")) for e in info.get("scaling") or []).items():
+                self.scaling_events.labels(action=action).set(count)
+            for role, count in collections.Counter(str(i.get("role", "unknown")) for i in instances).items():
+                self.pool_size.labels(role=role).set(count)
+            self.migrated.set(float((info.get("rebalance") or {}).get("migrated", 0)))
             for inst in instances:
                 labels = {"instance": str(inst.get("id", "?")), "role": str(inst.get("role", "unknown"))}
                 for key, gauge in self._instance_gauges.items():
