@@ -46,6 +46,27 @@ def test_launcher_and_backend_choices_are_validated() -> None:
     with pytest.raises(ValueError, match="startup_timeout_s"):
         ClusterConfig(model="m", startup_timeout_s=0)
     ClusterConfig(model="m", launcher="ray", kv_backend="tcp")  # fine
+    with pytest.raises(ValueError, match="warm-spares"):
+        ClusterConfig(model="m", launcher="ray", kv_backend="tcp", warm_spares=1)
+    with pytest.raises(ValueError, match="warm_spares"):
+        ClusterConfig(model="m", warm_spares=-1)
+
+
+def test_local_launcher_spares_wait_for_a_spec_and_exit_on_close() -> None:
+    """A spare is only handed an instance spec (other commands start fresh processes); closing the launcher ends
+    the idle spares; one that reads EOF instead of a spec exits 0 without starting anything."""
+    launcher = LocalLauncher(warm_spares=2)
+    env = {"HF_HUB_OFFLINE": "1"}
+    launcher.prime(env)
+    spares = launcher.spare_pids
+    assert len(spares) == 2 and all(pid_alive(p) for p in spares)
+    other = launcher.start(launcher.place(1)[0], ["-c", "pass"], env)  # not an instance: no spare used
+    assert other.wait(timeout=30) == 0 and launcher.spares_used == 0 and launcher.spare_pids == spares
+    procs = list(launcher._spares)
+    launcher.close()
+    assert all(p.poll() is not None for p in procs) and launcher.spare_pids == []
+    eof = subprocess.run([sys.executable, "-m", "tetriinfer.runtime.instance", "--spare"], input=b"", timeout=120)
+    assert eof.returncode == 0
 
 
 def _ray_processes(marker: str) -> list[int]:

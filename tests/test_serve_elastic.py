@@ -208,3 +208,33 @@ def test_rebalance_moves_queued_requests_to_an_added_instance(tiny_llama: Path, 
         assert _complete(srv.base_url, model, 1, 5) == (200, 5)
     finally:
         srv.stop()
+
+
+def test_warm_spare_starts_the_added_instance_and_is_replaced(tiny_llama: Path) -> None:
+    """--warm-spares 1: a pre-started process (modules imported, waiting for its spec) becomes the added instance
+    (the scaling entry says warm), serves, and a new spare takes its place; stopping the server leaves no spare
+    behind."""
+    srv = ServeProcess(tiny_llama, "--mode", "colocated", "--instances", "1", "--warm-spares", "1")
+    try:
+        model = _model(srv.base_url)
+        first = srv.cluster()["warm_spares"]
+        assert len(first["pids"]) == 1 and first["used"] == 0 and pid_alive(first["pids"][0])
+        time.sleep(4.0)  # let the spare finish its imports (it would be used either way)
+        r = httpx.post(f"{srv.base_url}/cluster/instances", json={"role": "colocated"}, timeout=300)
+        assert r.status_code == 200 and r.json()["warm"] is True, r.text
+        info = _instances(srv)
+        assert info["instance-1"]["pid"] == first["pids"][0]  # the spare became instance-1
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            assert [f.result() for f in [pool.submit(_complete, srv.base_url, model, i, 12)
+                                         for i in range(12)]] == [(200, 12)] * 12
+        assert _instances(srv)["instance-1"]["steps"] > 0
+        now = srv.cluster()["warm_spares"]
+        assert now["used"] == 1 and len(now["pids"]) == 1 and now["pids"] != first["pids"]
+        spare = now["pids"][0]
+        assert pid_alive(spare)
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 10
+    while pid_alive(spare) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(spare), "a warm spare outlived the server"

@@ -37,7 +37,14 @@ from tetriinfer.net import free_loopback_port
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.runtime.engine_client import TokenEvent
 from tetriinfer.runtime.instance_spec import InstanceSpec, encode_spec
-from tetriinfer.runtime.launcher import InstanceProcess, LocalLauncher, RayLauncher, Slot, make_launcher
+from tetriinfer.runtime.launcher import (
+    INSTANCE_MODULE,
+    InstanceProcess,
+    LocalLauncher,
+    RayLauncher,
+    Slot,
+    make_launcher,
+)
 from tetriinfer.runtime.messages import (
     Abort,
     DecodeLoads,
@@ -101,6 +108,9 @@ class _Stream:
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     new_request: NewRequest | None = None  # what was sent, kept to route it again (queue rebalancing)
+
+
+INSTANCE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 class ClusterEngineClient:
@@ -176,7 +186,7 @@ class ClusterEngineClient:
         c = self.config
         self._launcher = await asyncio.to_thread(
             make_launcher, c.launcher, ray_address=c.ray_address, cores_per_instance=c.cores_per_instance,
-            device=c.device, placement_timeout_s=c.startup_timeout_s)
+            device=c.device, placement_timeout_s=c.startup_timeout_s, warm_spares=c.warm_spares)
         roles = c.roles()
         slots = await asyncio.to_thread(self._launcher.place, len(roles))
         if c.kv_backend.split(":")[-1] == "shm" and len({s.node for s in slots}) > 1:
@@ -203,6 +213,8 @@ class ClusterEngineClient:
         for info in self.instances.values():
             self._connect(info)
         await self._send_peer_table()
+        if isinstance(self._launcher, LocalLauncher) and c.warm_spares:
+            await asyncio.to_thread(self._launcher.prime, INSTANCE_ENV)  # for scale-out and replacements
         self._started = True
         self._tasks.append(asyncio.create_task(self._receive_loop()))
         self._tasks.append(asyncio.create_task(self._monitor_loop()))
@@ -213,10 +225,9 @@ class ClusterEngineClient:
         self._next_id[role] = n + 1
         iid = {"prefill": "prefill-", "decode": "decode-", "colocated": "instance-"}[role] + str(n)
         spec = self._spec(iid, role, slot, self._front_address)
-        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         assert self._launcher is not None
         proc = await asyncio.to_thread(
-            self._launcher.start, slot, ["-m", "tetriinfer.runtime.instance", encode_spec(spec).hex()], env)
+            self._launcher.start, slot, [*INSTANCE_MODULE, encode_spec(spec).hex()], INSTANCE_ENV)
         info = InstanceInfo(iid, role, proc, node=slot.node, slot=slot)
         self.instances[iid] = info
         return info
@@ -261,7 +272,9 @@ class ClusterEngineClient:
                 self._launcher.release(slot)
                 raise ValueError("kv backend 'shm' needs every instance on one host; the new one was placed on "
                                  "another node")
+            spares_used = getattr(self._launcher, "spares_used", 0)
             info = await self._launch(role, slot)
+            warm = getattr(self._launcher, "spares_used", 0) > spares_used
             deadline = time.monotonic() + self.config.startup_timeout_s
             while info.hello is None:
                 failed = (f"exited with code {info.process.returncode} during startup" if not info.alive
@@ -277,7 +290,7 @@ class ClusterEngineClient:
             self._connect(info)
             await self._send_peer_table()
             entry = {"action": action, "instance": info.instance_id, "role": role, "node": slot.node,
-                     "startup_s": time.perf_counter() - t0, "time": time.time()}
+                     "startup_s": time.perf_counter() - t0, "warm": warm, "time": time.time()}
             self.scale_log.append(entry)
             return entry
 
@@ -749,6 +762,8 @@ class ClusterEngineClient:
             "predictor": dict(self.predictor_log),
             "local_prefills": self.policy.num_local_prefills,
             "kept_decodes": self.num_kept_decodes,
+            "warm_spares": {"pids": list(getattr(self._launcher, "spare_pids", [])),
+                            "used": getattr(self._launcher, "spares_used", 0)},
             "rebalance": {"moves": self.rebalancer.num_moves, "migrated": self.num_migrated,
                           "pending": sorted(self.rebalancer.pending)},
             "ttft_by_prefill_role": {role: {"count": n, "mean_s": total / n}

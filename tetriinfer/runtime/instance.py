@@ -261,7 +261,14 @@ class Instance:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``SPEC_HEX``: run that instance. ``--spare``: a warm spare (``LocalLauncher``): everything is imported
+    already; wait for the spec on stdin (EOF: the launcher closed or went away, exit quietly)."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--spare"]:
+        line = sys.stdin.readline().strip()
+        if not line:
+            return 0
+        args = [line]
     spec = decode_spec(bytes.fromhex(args[0]))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     Instance(spec).run()

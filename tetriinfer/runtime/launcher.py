@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 LAUNCHERS = ("local", "ray")
+INSTANCE_MODULE = ("-m", "tetriinfer.runtime.instance")  # + the hex spec, or --spare
 LOOPBACK = "127.0.0.1"
 
 
@@ -71,12 +72,27 @@ class _SlotBook:
 
 
 class LocalLauncher:
-    """Instance processes on this machine, bound to loopback."""
+    """Instance processes on this machine, bound to loopback.
+
+    ``warm_spares``: keep that many instance processes pre-started (``python -m tetriinfer.runtime.instance
+    --spare``: the interpreter up and torch, transformers and the engine imported -- about 2 s of an instance's
+    start -- then blocked reading its spec from stdin). ``prime(env)`` starts them (the front end calls it once
+    the pool is up, so the first instances do not wait behind their spares); ``start`` hands a new instance's
+    spec to a spare started with the same ``env`` and starts a replacement, or starts a fresh process when none
+    is ready. A spare whose parent goes away reads EOF and exits. Each idle spare costs its imported modules'
+    memory (~0.3-0.5 GB), no CPU.
+    """
 
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, warm_spares: int = 0) -> None:
+        if warm_spares < 0:
+            raise ValueError(f"warm_spares must be >= 0, got {warm_spares}")
         self._book = _SlotBook()
+        self.warm_spares = warm_spares
+        self._spares: list[subprocess.Popen] = []
+        self._spare_env: dict[str, str] | None = None
+        self.spares_used = 0
 
     def frontend_host(self) -> str:
         return LOOPBACK
@@ -86,14 +102,57 @@ class LocalLauncher:
         return [self._book.take(node, LOOPBACK) for _ in range(n)]
 
     def start(self, slot: Slot, argv: list[str], env: dict[str, str]) -> InstanceProcess:
+        if argv[:2] == list(INSTANCE_MODULE) and len(argv) == 3 and env == self._spare_env:
+            self._spares = [p for p in self._spares if p.poll() is None]
+            if self._spares:
+                proc = self._spares.pop(0)
+                assert proc.stdin is not None
+                try:
+                    proc.stdin.write(argv[2].encode() + b"\n")
+                    proc.stdin.close()
+                except OSError:  # it died just now: start fresh below
+                    pass
+                else:
+                    self.spares_used += 1
+                    self._top_up()
+                    return proc
         return subprocess.Popen([sys.executable, *argv], env={**os.environ, **env})
+
+    @property
+    def spare_pids(self) -> list[int]:
+        """Process ids of the spares started and not yet used (alive or not)."""
+        return [p.pid for p in self._spares]
+
+    def prime(self, env: dict[str, str]) -> None:
+        """Start the warm spares (for instances started later with this ``env``)."""
+        self._spare_env = dict(env)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        if self._spare_env is None:
+            return
+        while len(self._spares) < self.warm_spares:
+            self._spares.append(subprocess.Popen([sys.executable, *INSTANCE_MODULE, "--spare"],
+                                                 stdin=subprocess.PIPE, env={**os.environ, **self._spare_env}))
 
     def release(self, slot: Slot) -> None:
         """The instance in ``slot`` has exited: its cores are free for the next placement."""
         self._book.release(slot)
 
     def close(self) -> None:
-        pass
+        """Stop the idle spares (they hold nothing: EOF on stdin and SIGTERM, then a kill if one lingers)."""
+        spares, self._spares = self._spares, []
+        for proc in spares:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in spares:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _ray() -> Any:
@@ -283,9 +342,11 @@ class RayLauncher:
 
 
 def make_launcher(name: str, *, ray_address: str = "auto", cores_per_instance: int = 1, device: str = "cpu",
-                  placement_timeout_s: float = 120.0) -> LocalLauncher | RayLauncher:
+                  placement_timeout_s: float = 120.0, warm_spares: int = 0) -> LocalLauncher | RayLauncher:
     if name == "local":
-        return LocalLauncher()
+        return LocalLauncher(warm_spares)
+    if warm_spares:
+        raise ValueError("--warm-spares works with --launcher local only (for now)")
     if name == "ray":
         return RayLauncher(ray_address, cores_per_instance=cores_per_instance, device=device,
                            placement_timeout_s=placement_timeout_s)

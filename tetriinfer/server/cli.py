@@ -91,6 +91,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--autoscale-cooldown", type=float, default=10.0, help="seconds after a change before the next")
     scale.add_argument("--autoscale-max-instances", type=int, default=8)
     scale.add_argument("--autoscale-max-step", type=int, default=4, help="most instances one scale-out adds")
+    scale.add_argument("--warm-spares", type=int, default=0,
+                       help="keep this many instance processes pre-started (modules imported) so that scale-out "
+                            "and --replace-dead skip the ~2 s of imports (local launcher)")
     scale.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=False,
                        help="move queued requests that have not started from a backed-up prefill (or colocated) "
                             "instance to an idle peer, e.g. one just added (core.rebalance)")
@@ -136,7 +139,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         autoscale_low=args.autoscale_low, autoscale_window_s=args.autoscale_window,
         autoscale_cooldown_s=args.autoscale_cooldown, autoscale_max_instances=args.autoscale_max_instances,
         autoscale_decode_load=args.autoscale_decode_load, autoscale_max_step=args.autoscale_max_step,
-        rebalance=args.rebalance, rebalance_min_queued=args.rebalance_min_queued,
+        warm_spares=args.warm_spares, rebalance=args.rebalance, rebalance_min_queued=args.rebalance_min_queued,
         rebalance_max_move=args.rebalance_max_move,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )
