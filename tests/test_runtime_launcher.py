@@ -46,8 +46,6 @@ def test_launcher_and_backend_choices_are_validated() -> None:
     with pytest.raises(ValueError, match="startup_timeout_s"):
         ClusterConfig(model="m", startup_timeout_s=0)
     ClusterConfig(model="m", launcher="ray", kv_backend="tcp")  # fine
-    with pytest.raises(ValueError, match="warm-spares"):
-        ClusterConfig(model="m", launcher="ray", kv_backend="tcp", warm_spares=1)
     with pytest.raises(ValueError, match="warm_spares"):
         ClusterConfig(model="m", warm_spares=-1)
 
@@ -159,6 +157,47 @@ def test_serve_on_ray_answers_reports_placement_and_cleans_up(tiny_llama: Path, 
         time.sleep(0.5)
     assert not any(pid_alive(p) for p in pids)
     assert not _ray_processes(ray_tmp), "the private Ray cluster must stop with the server"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_ray_warm_spare_becomes_the_added_instance(tiny_llama: Path) -> None:
+    """--launcher ray --warm-spares 1: the spare is an actor (holding its CPU) whose process waits for a spec; a
+    scale-out takes it (warm) and it serves; the replacement spare stays pending while Ray has no free CPU; stopping
+    the server leaves no instance, spare or Ray process behind."""
+    ray_tmp = _short_tmp()
+    env_before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = ray_tmp
+    try:
+        server = ServeProcess(tiny_llama, "--mode", "colocated", "--instances", "1", "--launcher", "ray",
+                              "--ray-address", "local", "--startup-timeout", "60", "--warm-spares", "1")
+    finally:
+        if env_before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = env_before
+    try:
+        deadline = time.monotonic() + 60
+        while not server.cluster()["warm_spares"]["pids"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        spare = server.cluster()["warm_spares"]["pids"]
+        assert len(spare) == 1 and pid_alive(spare[0])
+        time.sleep(3.0)  # its imports
+        added = httpx.post(f"{server.base_url}/cluster/instances", json={"role": "colocated"}, timeout=300)
+        assert added.status_code == 200 and added.json()["warm"] is True, added.text
+        info = {i["id"]: i for i in server.cluster()["instances"]}
+        assert info["instance-1"]["pid"] == spare[0]
+        for _ in range(3):
+            assert _complete(server.base_url, 6)["usage"]["completion_tokens"] == 6
+        assert server.cluster()["warm_spares"] == {"pids": [], "used": 1}  # no CPU left for the next one
+        pids = server.child_pids()
+    finally:
+        code = server.stop()
+    assert code == 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (any(pid_alive(p) for p in pids) or _ray_processes(ray_tmp)):
+        time.sleep(0.5)
+    assert not any(pid_alive(p) for p in pids) and not pid_alive(spare[0])
+    assert not _ray_processes(ray_tmp)
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

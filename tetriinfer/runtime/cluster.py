@@ -213,7 +213,7 @@ class ClusterEngineClient:
         for info in self.instances.values():
             self._connect(info)
         await self._send_peer_table()
-        if isinstance(self._launcher, LocalLauncher) and c.warm_spares:
+        if c.warm_spares:
             await asyncio.to_thread(self._launcher.prime, INSTANCE_ENV)  # for scale-out and replacements
         self._started = True
         self._tasks.append(asyncio.create_task(self._receive_loop()))

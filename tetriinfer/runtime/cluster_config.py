@@ -97,7 +97,7 @@ class ClusterConfig:
     autoscale_max_instances: int = 8
     autoscale_decode_load: str = "inflation"
     autoscale_max_step: int = 4
-    warm_spares: int = 0  # local launcher: pre-started instance processes for scale-out and replacements
+    warm_spares: int = 0  # pre-started instance processes for scale-out and replacements (launcher.py)
     rebalance: bool = False  # core.rebalance: idle instances take unstarted queued requests from backed-up peers
     rebalance_min_queued: int = 2
     rebalance_max_move: int = 16
@@ -129,8 +129,6 @@ class ClusterConfig:
         self.rebalance_config()
         if self.warm_spares < 0:
             raise ValueError(f"warm_spares must be >= 0, got {self.warm_spares}")
-        if self.warm_spares and self.launcher != "local":
-            raise ValueError("--warm-spares works with --launcher local only (for now)")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.launcher not in ("local", "ray"):

@@ -168,6 +168,7 @@ class _InstanceHost:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.spare: subprocess.Popen | None = None  # a warm spare waiting for its spec (RayLauncher.prime)
 
     def node_id(self) -> str:
         """The Ray node this actor runs on. Not the hostname: network namespaces on one machine (our two-node
@@ -176,16 +177,34 @@ class _InstanceHost:
 
         return ray.get_runtime_context().get_node_id()
 
-    def start(self, argv: list[str], env: dict[str, str]) -> int:
+    def start_spare(self, env: dict[str, str]) -> int:
+        self.spare = subprocess.Popen([sys.executable, *INSTANCE_MODULE, "--spare"], stdin=subprocess.PIPE,
+                                      env={**os.environ, **env})
+        return self.spare.pid
+
+    def start(self, argv: list[str], env: dict[str, str]) -> tuple[int, bool]:
+        """Run the instance: in the spare when there is a live one (True), else in a fresh process."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.poll() is None and argv[:2] == list(INSTANCE_MODULE) and len(argv) == 3:
+            assert spare.stdin is not None
+            try:
+                spare.stdin.write(argv[2].encode() + b"\n")
+                spare.stdin.close()
+            except OSError:
+                spare.kill()
+            else:
+                self.proc = spare
+                return spare.pid, True
         self.proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env})
-        return self.proc.pid
+        return self.proc.pid, False
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
     def signal(self, kill: bool) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            (self.proc.kill if kill else self.proc.terminate)()
+        for proc in (self.proc, self.spare):
+            if proc is not None and proc.poll() is None:
+                (proc.kill if kill else proc.terminate)()
 
     def wait(self, timeout: float) -> int | None:
         if self.proc is None:
@@ -261,7 +280,9 @@ class RayLauncher:
     name = "ray"
 
     def __init__(self, address: str = "auto", *, cores_per_instance: int = 1, device: str = "cpu",
-                 placement_timeout_s: float = 120.0) -> None:
+                 placement_timeout_s: float = 120.0, warm_spares: int = 0) -> None:
+        if warm_spares < 0:
+            raise ValueError(f"warm_spares must be >= 0, got {warm_spares}")
         if address == "local":
             # Ray 2.60 on Linux registers a node under its default-route address even when told loopback, unless
             # this (named for the platforms where loopback is its default) is off; it is read when ray is imported.
@@ -280,6 +301,13 @@ class RayLauncher:
             self._ray.init(**kw)
         self._actors: dict[int, Any] = {}  # by slot index
         self._book = _SlotBook()
+        # Warm spares: actors asked for (placement may still be pending) whose process waits for a spec; a
+        # placement takes ready ones first. See LocalLauncher for what a spare is.
+        self.warm_spares = warm_spares
+        self._spares: list[tuple[Any, Any]] = []  # (actor, ref to its start_spare -> pid)
+        self._spare_env: dict[str, str] | None = None
+        self._spare_slots: set[int] = set()  # slot indices whose actor holds a spare
+        self.spares_used = 0
 
     def _node_address(self, node_id: str) -> str:
         """A node's address as its raylet registered it (``ray start --node-ip-address``); a worker process's own
@@ -292,12 +320,58 @@ class RayLauncher:
     def frontend_host(self) -> str:
         return self._node_address(self._ray.get_runtime_context().get_node_id())
 
-    def place(self, n: int) -> list[Slot]:
+    def _host_cls(self) -> Any:
         options: dict[str, Any] = {"num_cpus": self.cores_per_instance}
         if self.device.startswith("cuda"):
             options["num_gpus"] = 1
-        host_cls = self._ray.remote(_InstanceHost)
-        actors = [host_cls.options(**options).remote() for _ in range(n)]
+        return self._ray.remote(_InstanceHost).options(**options)
+
+    def prime(self, env: dict[str, str]) -> None:
+        """Ask for the warm spares (one actor each, placed when the cluster has room; never waited for here)."""
+        self._spare_env = dict(env)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        if self._spare_env is None:
+            return
+        while len(self._spares) < self.warm_spares:
+            actor = self._host_cls().remote()
+            self._spares.append((actor, actor.start_spare.remote(self._spare_env)))
+
+    @property
+    def spare_pids(self) -> list[int]:
+        """Process ids of the spares that are up (placed and started)."""
+        refs = [ref for _, ref in self._spares]
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        return [self._ray.get(ref) for ref in ready]
+
+    def _take_ready_spares(self, n: int) -> list[Slot]:
+        slots = []
+        for actor, ref in list(self._spares):
+            if len(slots) >= n:
+                break
+            ready, _ = self._ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            self._spares.remove((actor, ref))
+            try:
+                self._ray.get(ref)
+                node = self._ray.get(actor.node_id.remote(), timeout=10)
+            except Exception:  # the spare's actor died: drop it
+                self._kill(actor)
+                continue
+            slot = self._book.take(node, self._node_address(node))
+            self._actors[slot.index] = actor
+            self._spare_slots.add(slot.index)
+            slots.append(slot)
+        return slots
+
+    def place(self, n: int) -> list[Slot]:
+        spares = self._take_ready_spares(n)
+        return spares + (self._place_new(n - len(spares)) if n > len(spares) else [])
+
+    def _place_new(self, n: int) -> list[Slot]:
+        actors = [self._host_cls().remote() for _ in range(n)]
         refs = [a.node_id.remote() for a in actors]
         ready, pending = self._ray.wait(refs, num_returns=n, timeout=self.placement_timeout_s)
         if pending:
@@ -305,7 +379,7 @@ class RayLauncher:
                 self._kill(actor)
             raise RuntimeError(
                 f"Ray placed {len(ready)} of {n} instances in {self.placement_timeout_s:.0f} s: the cluster lacks "
-                f"{self.cores_per_instance} free CPU(s){' and a GPU' if 'num_gpus' in options else ''} per instance "
+                f"{self.cores_per_instance} free CPU(s){' and a GPU' if self.device.startswith('cuda') else ''} per instance "
                 f"(ray status shows what it has)"
             )
         slots = []
@@ -323,6 +397,7 @@ class RayLauncher:
 
     def release(self, slot: Slot) -> None:
         """The instance in ``slot`` has exited: free its actor (and so its CPUs in Ray's books) and its cores."""
+        self._spare_slots.discard(slot.index)
         actor = self._actors.pop(slot.index, None)
         if actor is not None:
             self._kill(actor)
@@ -330,13 +405,18 @@ class RayLauncher:
 
     def start(self, slot: Slot, argv: list[str], env: dict[str, str]) -> InstanceProcess:
         actor = self._actors[slot.index]
-        pid = self._ray.get(actor.start.remote(argv, env), timeout=60)
+        pid, warm = self._ray.get(actor.start.remote(argv, env), timeout=60)
+        if slot.index in self._spare_slots:
+            self._spare_slots.discard(slot.index)
+            self.spares_used += int(warm)
+            self._top_up()
         return RayInstance(self._ray, actor, pid)
 
     def close(self) -> None:
-        for actor in self._actors.values():
+        for actor in [*self._actors.values(), *(a for a, _ in self._spares)]:
             self._kill(actor)
         self._actors = {}
+        self._spares = []
         if self._owns_init and self._ray.is_initialized():
             self._ray.shutdown()
 
@@ -345,9 +425,7 @@ def make_launcher(name: str, *, ray_address: str = "auto", cores_per_instance: i
                   placement_timeout_s: float = 120.0, warm_spares: int = 0) -> LocalLauncher | RayLauncher:
     if name == "local":
         return LocalLauncher(warm_spares)
-    if warm_spares:
-        raise ValueError("--warm-spares works with --launcher local only (for now)")
     if name == "ray":
         return RayLauncher(ray_address, cores_per_instance=cores_per_instance, device=device,
-                           placement_timeout_s=placement_timeout_s)
+                           placement_timeout_s=placement_timeout_s, warm_spares=warm_spares)
     raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {name!r}")

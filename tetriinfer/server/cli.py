@@ -93,7 +93,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--autoscale-max-step", type=int, default=4, help="most instances one scale-out adds")
     scale.add_argument("--warm-spares", type=int, default=0,
                        help="keep this many instance processes pre-started (modules imported) so that scale-out "
-                            "and --replace-dead skip the ~2 s of imports (local launcher)")
+                            "and --replace-dead skip the ~2 s of imports (on Ray: one actor each, placed when there is room)")
     scale.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=False,
                        help="move queued requests that have not started from a backed-up prefill (or colocated) "
                             "instance to an idle peer, e.g. one just added (core.rebalance)")
