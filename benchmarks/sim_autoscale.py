@@ -171,7 +171,8 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(9, 4))
         for label, steps in timelines.items():
-            ax.step([t for t, _ in steps], [n for _, n in steps], where="post", label=label)
+            ax.step([t for t, _ in steps], [n for _, n in steps], where="post", label=label,
+                    linestyle="--" if "rebalance" in label else "-")
         ax.set_xlabel("time (s)")
         ax.set_ylabel("instances provisioned")
         rate_ax = ax.twinx()

@@ -206,3 +206,26 @@ def test_step_inflation_counts_what_decodes_wait_through_on_a_colocated_instance
     assert est.take() == 1.0  # decodes waited all window
     est.observe_colocated(mixed, 0.02, [decoding, fresh], batch1_seconds=0.008)  # a costed batch-1 step refines t1
     assert est.t1 == 0.008 and est.take() == pytest.approx(1 - 0.008 / 0.02)
+
+
+def test_decode_is_scaled_before_prefill_when_both_are_hot() -> None:
+    """Both tiers saturated: decode is downstream (more prefill would only park prefilled requests), so it grows
+    first even with the lower mean."""
+    roles = {"prefill-0": "prefill", "decode-0": "decode"}
+    reps = [rep("prefill-0", 1.0), rep("decode-0", 0.0, role=Role.DECODE, used=85, free=15, running=20)]
+    cfg = ScaleConfig(enabled=True, high=0.8, low=0.2, window_s=1.0, cooldown_s=1.0, max_instances=8)
+    [(_, cmd)] = drive(ScalePolicy(cfg), reps, roles, 0.0, 1.15)
+    assert cmd.action is ScaleAction.ADD and cmd.role == "decode"
+
+
+def test_at_the_cap_a_role_that_can_spare_an_instance_gives_one_to_the_hot_role() -> None:
+    """At max_instances, decode hot: a prefill tier of 3 at mean 0.3 can lose one (3 x 0.3 / 2 = 0.45 < 0.8), so
+    one prefill instance (the least loaded) is removed to make room; at mean 0.6 it could not (0.9 >= 0.8)."""
+    roles = {"prefill-0": "prefill", "prefill-1": "prefill", "prefill-2": "prefill", "decode-0": "decode"}
+    hot_decode = rep("decode-0", 0.0, role=Role.DECODE, used=95, free=5, running=30)
+    cfg = ScaleConfig(enabled=True, high=0.8, low=0.2, window_s=1.0, cooldown_s=1.0, max_instances=4)
+    spare = [rep("prefill-0", 0.4), rep("prefill-1", 0.2), rep("prefill-2", 0.3), hot_decode]
+    [(_, cmd)] = drive(ScalePolicy(cfg), spare, roles, 0.0, 1.15)
+    assert cmd.action is ScaleAction.REMOVE and cmd.instance_id == "prefill-1"
+    busy = [rep("prefill-0", 0.6), rep("prefill-1", 0.6), rep("prefill-2", 0.6), hot_decode]
+    assert drive(ScalePolicy(cfg), busy, roles, 0.0, 3.0) == []

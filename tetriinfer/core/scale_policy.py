@@ -15,20 +15,28 @@ that role's ACTIVE instances. Load, in [0, 1]:
   ``inflation`` = max(KV usage, how much batching slows each step vs batch 1)).
 
 Rules, evaluated once the role's samples span ``window_s``:
-- ADD instances of the role whose mean load over the window is >= ``high`` (the higher mean if several), if the
-  pool has fewer than ``max_instances``: as many as bring the role's mean to the middle of the band, ``ceil(n x
-  mean / ((high + low) / 2)) - n`` for ``n`` active instances (at least 1; at most ``max_step`` and what
-  ``max_instances`` leaves). Loads saturate at 1, so under heavy overload this is a lower bound: a later window
-  adds more;
-- else REMOVE one instance: the least-loaded (latest report; ties: the youngest id) of a role whose mean load over the
-  window is <= ``low`` and which has more than ``min_per_role`` ACTIVE instances.
+- ADD instances of a role whose mean load over the window is >= ``high`` -- ``decode`` first when it is hot
+  (downstream: while decode is saturated, more prefill only moves the queue from prompts to prefilled requests
+  waiting for a decode slot), else the higher mean -- if the pool has fewer than ``max_instances`` ACTIVE members:
+  as many as bring the role's mean to the middle of the band, ``ceil(n x mean / ((high + low) / 2)) - n`` for
+  ``n`` active instances (at least 1; at most ``max_step`` and what ``max_instances`` leaves). Loads saturate at
+  1, so under heavy overload this is a lower bound: a later window adds more;
+- at ``max_instances`` with a hot role: REMOVE the least-loaded instance of another role that can lose one
+  without turning hot itself (``n x mean / (n - 1) < high``, more than ``min_per_role`` instances); a later
+  window adds to the hot role in its place, so the mix follows the load even at the cap;
+- else REMOVE one instance: the least-loaded (latest report; ties: the youngest id) of a role whose mean load over
+  the window is <= ``low`` and which has more than ``min_per_role`` ACTIVE instances.
 
 At most one command at a time: after issuing one, ``observe`` returns nothing until the runtime calls
-``finished(now)``, then nothing for ``cooldown_s`` more; every role's history restarts then (the new membership
-changes every load). Pure: no clock (``now`` is passed in), no I/O; deterministic.
+``finished(now)`` -- after an ADD's instances serve, and as soon as a REMOVE's instance is draining (a drain can
+take long: waiting for it would freeze scaling; a draining instance is not ACTIVE, so it does not count toward
+``max_instances`` and the pool may exceed it while one drains) -- then nothing for ``cooldown_s`` more; every
+role's history restarts then (the new membership changes every load). Pure: no clock (``now`` is passed in), no
+I/O; deterministic.
 
-Invariants: the pool never goes above ``max_instances`` or a role below ``min_per_role`` through this policy; a
-command is never issued for a role with no report; ``low < high`` (so a load cannot both add and remove).
+Invariants: the ACTIVE pool never goes above ``max_instances`` or a role below ``min_per_role`` through this
+policy; a command is never issued for a role with no report; ``low < high`` (so a load cannot both add and
+remove).
 """
 
 from __future__ import annotations
@@ -138,19 +146,29 @@ class ScalePolicy:
     def _decide(self, means: dict[str, float], by_role: dict[str, list[LoadReport]],
                 roles: Mapping[str, str]) -> ScaleCommand | None:
         c = self.config
-        hot = [(m, role) for role, m in means.items() if m >= c.high]
+        middle = (c.high + c.low) / 2
+        hot = [(role == "decode", m, role) for role, m in means.items() if m >= c.high]
         if hot and len(roles) < c.max_instances:
-            m, role = max(hot)
+            _, m, role = max(hot)
             n = len(by_role[role])
-            want = math.ceil(n * m / ((c.high + c.low) / 2) - 1e-9) - n
+            want = math.ceil(n * m / middle - 1e-9) - n
             count = max(1, min(want, c.max_step, c.max_instances - len(roles)))
             return ScaleCommand(ScaleAction.ADD, role, mean_load=m, count=count)
+        if hot:  # at the cap: make room in a role that can spare an instance
+            _, _, hot_role = max(hot)
+            for role, m in sorted(means.items(), key=lambda kv: kv[1]):
+                reps = by_role[role]
+                n = len(reps)
+                if role != hot_role and n > c.min_per_role and n * m / (n - 1) < c.high:
+                    return ScaleCommand(ScaleAction.REMOVE, role, self._victim(reps, role), mean_load=m)
         for role, m in sorted(means.items(), key=lambda kv: kv[1]):
             reps = by_role[role]
             if m <= c.low and len(reps) > c.min_per_role:
-                victim = min(reps, key=lambda r: (self.load(r, role), _newest_first(r.instance_id)))
-                return ScaleCommand(ScaleAction.REMOVE, role, victim.instance_id, mean_load=m)
+                return ScaleCommand(ScaleAction.REMOVE, role, self._victim(reps, role), mean_load=m)
         return None
+
+    def _victim(self, reps: list[LoadReport], role: str) -> str:
+        return min(reps, key=lambda r: (self.load(r, role), _newest_first(r.instance_id))).instance_id
 
 
 def _newest_first(instance_id: str) -> tuple[int, str]:

@@ -19,7 +19,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -294,14 +294,16 @@ class ClusterEngineClient:
             self.scale_log.append(entry)
             return entry
 
-    async def remove_instance(self, instance_id: str, *, timeout_s: float = 600.0,
-                              action: str = "remove") -> dict[str, Any]:
+    async def remove_instance(self, instance_id: str, *, timeout_s: float = 600.0, action: str = "remove",
+                              on_draining: Callable[[], None] | None = None) -> dict[str, Any]:
         """Scale in: stop routing and dispatching to the instance, let it finish everything it holds (queued
         prompts, transfers, running decodes), then it exits and leaves the membership. No request is lost: the
         instance is only told to retire after prefill instances have seen a decode-load broadcast without it, and
         it waits out a grace period of emptiness for dispatches decided before that. Refuses (ValueError) to
         remove the last live instance that can prefill, or the last decode instance of a disaggregated cluster.
-        A dead instance is just dropped from the table. KeyError: no such instance."""
+        A dead instance is just dropped from the table. KeyError: no such instance. ``on_draining`` runs once the
+        instance is marked retiring. The membership lock is held while marking and while leaving, not during the
+        drain: other changes (an addition, another removal) go ahead meanwhile."""
         async with self._scale_lock:
             info = self.instances.get(instance_id)
             if info is None:
@@ -316,21 +318,25 @@ class ClusterEngineClient:
                 info.retiring = True
                 if self.config.flip:
                     self.flip_policy.remove(instance_id)
-                # two broadcasts without it before it is told to retire: prefill instances stop dispatching to it
-                await asyncio.sleep(2.5 * self.config.report_interval_s)
-                assert info.socket is not None
-                await info.socket.send(encode(Retire(grace_s=max(0.3, 3 * self.config.report_interval_s))))
-                deadline = time.monotonic() + timeout_s
-                while info.retired is None and info.alive and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                if info.retired is None and info.alive:
-                    info.retiring = False  # give it back its work rather than kill what it holds
-                    raise RuntimeError(f"{instance_id} did not drain within {timeout_s:.0f} s; it keeps serving")
-                try:
-                    await asyncio.to_thread(info.process.wait, 30)
-                except subprocess.TimeoutExpired:
-                    info.process.kill()
-                    await asyncio.to_thread(info.process.wait, 30)
+        if on_draining is not None:
+            on_draining()
+        if info.alive:
+            # two broadcasts without it before it is told to retire: prefill instances stop dispatching to it
+            await asyncio.sleep(2.5 * self.config.report_interval_s)
+            assert info.socket is not None
+            await info.socket.send(encode(Retire(grace_s=max(0.3, 3 * self.config.report_interval_s))))
+            deadline = time.monotonic() + timeout_s
+            while info.retired is None and info.alive and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if info.retired is None and info.alive:
+                info.retiring = False  # give it back its work rather than kill what it holds
+                raise RuntimeError(f"{instance_id} did not drain within {timeout_s:.0f} s; it keeps serving")
+            try:
+                await asyncio.to_thread(info.process.wait, 30)
+            except subprocess.TimeoutExpired:
+                info.process.kill()
+                await asyncio.to_thread(info.process.wait, 30)
+        async with self._scale_lock:
             entry = {"action": action, "instance": instance_id, "role": info.role, "node": info.node,
                      "drain_s": info.retired.drain_s if info.retired else None,
                      "total_s": time.perf_counter() - t0, "was_dead": info.retired is None, "time": time.time()}
@@ -350,7 +356,16 @@ class ClusterEngineClient:
         self.rebalancer.forget(info.instance_id)
 
     async def _autoscale(self, cmd: ScaleCommand) -> None:
-        """Carry out one autoscaling command; the policy hears when it is done (or failed) and cools down."""
+        """Carry out one autoscaling command; the policy hears once when it is done (an ADD: its instances serve; a
+        REMOVE: its instance drains) or failed, and cools down."""
+        told = False
+
+        def tell() -> None:
+            nonlocal told
+            if not told:
+                told = True
+                self.scale_policy.finished(time.time())
+
         try:
             if cmd.action is ScaleAction.ADD:
                 for _ in range(cmd.count):  # membership changes run one at a time (the scale lock)
@@ -358,13 +373,13 @@ class ClusterEngineClient:
                     entry["mean_load"] = cmd.mean_load
             else:
                 assert cmd.instance_id is not None
-                entry = await self.remove_instance(cmd.instance_id, action="autoscale-remove")
+                entry = await self.remove_instance(cmd.instance_id, action="autoscale-remove", on_draining=tell)
                 entry["mean_load"] = cmd.mean_load
         except Exception as e:  # noqa: BLE001 - recorded; the pool stays as it is
             self.scale_log.append({"action": f"autoscale-{cmd.action.value}-failed", "role": cmd.role,
                                    "instance": cmd.instance_id, "error": str(e), "time": time.time()})
         finally:
-            self.scale_policy.finished(time.time())
+            tell()
 
     async def _replace(self, dead: InstanceInfo) -> None:
         """--replace-dead: a dead instance (its requests already ended with an error) leaves the table and a new

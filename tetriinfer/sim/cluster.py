@@ -441,7 +441,8 @@ class SimCluster:
     def _scale(self, cmd: ScaleCommand, now: float) -> None:
         """Autoscaling, as the runtime does it: ADD -> ``cmd.count`` new instances report (and take work) after
         ``scale_out_s``, provisioned (paid for) from the decision on; REMOVE -> the instance drains (DRAINING from
-        this report on: not routed or dispatched to), and leaves once empty (``_retire_drained``)."""
+        this report on: not routed or dispatched to; the policy goes on at once), and leaves once empty
+        (``_retire_drained``)."""
         if cmd.action is ScaleAction.ADD:
             def start() -> None:
                 for _ in range(cmd.count):
@@ -458,6 +459,7 @@ class SimCluster:
             self.instances[cmd.instance_id].state = InstanceState.DRAINING
             self.scale_log.append({"action": "autoscale-remove", "instance": cmd.instance_id, "role": cmd.role,
                                    "decided_s": now, "retired_s": None, "mean_load": cmd.mean_load})
+            self.scale.finished(now)  # as the runtime: the policy goes on once the instance drains
 
     def _retire_drained(self, now: float) -> None:
         """Retiring instances that hold nothing leave the pool (their KV pool whole, their busy time kept)."""
@@ -474,7 +476,6 @@ class SimCluster:
             for entry in self.scale_log:
                 if entry["instance"] == iid and entry["action"] == "autoscale-remove":
                     entry["retired_s"] = now
-            self.scale.finished(now)
 
     def _switch(self, inst: SimInstance, to_role: Role) -> None:
         if not inst.is_empty() or inst.kv.num_used_blocks:
