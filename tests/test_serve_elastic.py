@@ -172,18 +172,19 @@ REBALANCE_CASES = {  # tier -> serve args, donor, role to add, the id it gets, r
     "colocated": (["--mode", "colocated", "--instances", "1", "--max-num-seqs", "2"], "instance-0", "colocated",
                   "instance-1", 16, 64, None),
     "prefill": (["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--kv-backend", "tcp",
-                 "--chunk-size", "64"], "prefill-0", "prefill", "prefill-1", 48, 8, "rebalance the prefill queue "),
+                 "--chunk-size", "64"], "prefill-0", "prefill", "prefill-1", 64, 8, "rebalance the prefill queue "),
 }
 
 
 @pytest.mark.parametrize("tier", list(REBALANCE_CASES))
 def test_rebalance_moves_queued_requests_to_an_added_instance(tiny_llama: Path, tier: str) -> None:
-    """--rebalance: requests queue on the tier's one instance (colocated: 2 running at most; prefill: long prompts
-    behind 64-token chunks), then an instance of the tier is added. It was not there when they were routed, so
+    """--rebalance: requests queue on the tier's one instance (colocated: 2 running at most; prefill: 64 long
+    prompts behind 64-token chunks), then an instance of the tier is added (from a warm spare). It was not there when they were routed, so
     only rebalancing can give it work: it takes unstarted requests from the backed-up one; every request
     completes with its exact length and every block is free after."""
     args, donor, role, added_id, n, tokens, words = REBALANCE_CASES[tier]
-    srv = ServeProcess(tiny_llama, *args, "--rebalance", "--report-interval", "0.2")
+    # a warm spare: the added instance is up in well under a second, while the queue it should relieve exists
+    srv = ServeProcess(tiny_llama, *args, "--rebalance", "--report-interval", "0.2", "--warm-spares", "1")
     try:
         model = _model(srv.base_url)
         prompt = (lambda i: words * (120 + i)) if words else None
