@@ -265,3 +265,22 @@ def test_ray_cluster_across_hosts_and_scale_out_onto_a_new_host(tiny_llama: Path
     assert set(hosts(moved)) == {"prefill-0", "decode-1"}
     assert moved["completed"] == 12 and moved["failed"] == 0
     assert moved["completion_tokens"] == moved["expected_tokens"]
+
+
+def test_ipv6_instance_addresses(tiny_llama: Path) -> None:
+    """--instance-host ::1: the front end's control socket, every instance's control socket and the TCP KV
+    backend bind the IPv6 loopback (addresses written tcp://[::1]:PORT), and requests cross from prefill to decode
+    over it with their exact lengths."""
+    server = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1",
+                          "--kv-backend", "tcp", "--instance-host", "::1")
+    try:
+        info = server.cluster()
+        assert all(i["address"].startswith("tcp://[::1]:") for i in info["instances"]), info["instances"]
+        for n in (12, 5):
+            out = _complete(server.base_url, n)
+            assert out["status"] == 200 and out["usage"]["completion_tokens"] == n
+        assert server.cluster()["transfers"]["count"] >= 2
+    finally:
+        assert server.stop() == 0
+    with pytest.raises(ValueError, match="instance_host"):
+        ClusterConfig(model="m", instance_host="localhost")

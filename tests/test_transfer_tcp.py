@@ -299,3 +299,25 @@ def test_release_waits_only_for_the_connection_carrying_its_bytes(receiver: TcpB
     finally:
         peer_a.close()
         peer_b.close()
+
+
+def test_ipv6_endpoints_carry_a_transfer() -> None:
+    """Both ends bound on ::1: the address is written with URL brackets (tcp://[::1]:PORT?data=...), parse_address
+    gives the bare host for the data socket, and a multi-piece payload lands exactly."""
+    from tetriinfer.net import bare_host, url_host
+
+    assert url_host("::1") == "[::1]" and url_host("[::1]") == "[::1]" and url_host("10.0.0.2") == "10.0.0.2"
+    assert bare_host("[::1]") == "::1" and bare_host("10.0.0.2") == "10.0.0.2"
+    a, b = TcpBackend(host="::1", config=CFG), TcpBackend(host="::1", config=CFG)
+    try:
+        endpoint, host, port = parse_address(b.address)
+        assert b.address.startswith("tcp://[::1]:") and endpoint.startswith("tcp://[::1]:") and host == "::1"
+        src = [np.random.default_rng(1).integers(0, 255, PIECE_BYTES * 2 + 77, dtype=np.uint8)]
+        dst = [np.zeros_like(src[0])]
+        b.recv("v6", dst)
+        a.send("v6", src, b.address)
+        assert wait_terminal(a, "v6") is TransferState.DONE and wait_terminal(b, "v6") is TransferState.DONE
+        assert np.array_equal(src[0], dst[0])
+    finally:
+        a.shutdown()
+        b.shutdown()

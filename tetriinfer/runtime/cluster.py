@@ -33,7 +33,7 @@ from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
 from tetriinfer.engine.model_config import ModelConfig
-from tetriinfer.net import free_loopback_port
+from tetriinfer.net import free_loopback_port, url_host
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.runtime.engine_client import TokenEvent
 from tetriinfer.runtime.instance_spec import InstanceSpec, encode_spec
@@ -186,7 +186,8 @@ class ClusterEngineClient:
         c = self.config
         self._launcher = await asyncio.to_thread(
             make_launcher, c.launcher, ray_address=c.ray_address, cores_per_instance=c.cores_per_instance,
-            device=c.device, placement_timeout_s=c.startup_timeout_s, warm_spares=c.warm_spares)
+            device=c.device, placement_timeout_s=c.startup_timeout_s, warm_spares=c.warm_spares,
+            local_host=c.instance_host)
         roles = c.roles()
         slots = await asyncio.to_thread(self._launcher.place, len(roles))
         if c.kv_backend.split(":")[-1] == "shm" and len({s.node for s in slots}) > 1:
@@ -194,9 +195,11 @@ class ClusterEngineClient:
                                f"{len({s.node for s in slots})} nodes (use --kv-backend tcp)")
         front_host = self._launcher.frontend_host()
         self._ctx = zmq.asyncio.Context()
+        if ":" in front_host:  # IPv6 node addresses: every control socket speaks IPv6
+            self._ctx.setsockopt(zmq.IPV6, 1)
         self._pull = self._ctx.socket(zmq.PULL)
-        port = self._pull.bind_to_random_port(f"tcp://{front_host}")
-        address = f"tcp://{front_host}:{port}"
+        port = self._pull.bind_to_random_port(f"tcp://{url_host(front_host)}")
+        address = f"tcp://{url_host(front_host)}:{port}"
         if c.kv_backend.split(":")[-1] == "torchdist":
             self._kv_init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
         self._front_address = address

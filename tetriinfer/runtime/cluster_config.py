@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -97,6 +98,7 @@ class ClusterConfig:
     autoscale_max_instances: int = 8
     autoscale_decode_load: str = "inflation"
     autoscale_max_step: int = 4
+    instance_host: str = "127.0.0.1"  # local launcher: the address instances bind (::1 for IPv6 loopback)
     warm_spares: int = 0  # pre-started instance processes for scale-out and replacements (launcher.py)
     rebalance: bool = False  # core.rebalance: idle instances take unstarted queued requests from backed-up peers
     rebalance_min_queued: int = 2
@@ -127,6 +129,11 @@ class ClusterConfig:
             raise ValueError("local_prefill_weight must be >= 0")
         self.scale_config()  # validates the autoscale fields
         self.rebalance_config()
+        try:
+            ipaddress.ip_address(self.instance_host)
+        except ValueError:
+            raise ValueError(f"instance_host must be an IP address (127.0.0.1, ::1, ...), got "
+                             f"{self.instance_host!r}") from None
         if self.warm_spares < 0:
             raise ValueError(f"warm_spares must be >= 0, got {self.warm_spares}")
         if not self.startup_timeout_s > 0:

@@ -18,6 +18,7 @@ import zmq
 from tetriinfer.core.load import InstanceState
 from tetriinfer.engine.engine_config import EngineConfig
 from tetriinfer.engine.llm_engine import build_runner
+from tetriinfer.net import url_host
 from tetriinfer.runtime.colocated_worker import ColocatedWorker
 from tetriinfer.runtime.decode_worker import DecodeWorker
 from tetriinfer.runtime.instance_spec import InstanceSpec, decode_spec
@@ -81,9 +82,11 @@ class Instance:
         )
         parts = build_runner(engine_config)
         self.zctx = zmq.Context()
+        if ":" in spec.host:  # IPv6 node addresses: every control socket speaks IPv6
+            self.zctx.setsockopt(zmq.IPV6, 1)
         self.pull = self.zctx.socket(zmq.PULL)
-        port = self.pull.bind_to_random_port(f"tcp://{spec.host}")
-        self.address = f"tcp://{spec.host}:{port}"
+        port = self.pull.bind_to_random_port(f"tcp://{url_host(spec.host)}")
+        self.address = f"tcp://{url_host(spec.host)}:{port}"
         self.front = self.zctx.socket(zmq.PUSH)
         self.front.setsockopt(zmq.LINGER, 1000)
         self.front.connect(spec.frontend_address)

@@ -85,9 +85,10 @@ class LocalLauncher:
 
     name = "local"
 
-    def __init__(self, warm_spares: int = 0) -> None:
+    def __init__(self, warm_spares: int = 0, host: str = LOOPBACK) -> None:
         if warm_spares < 0:
             raise ValueError(f"warm_spares must be >= 0, got {warm_spares}")
+        self.host = host  # what the instances and the front end's control socket bind (127.0.0.1, ::1, ...)
         self._book = _SlotBook()
         self.warm_spares = warm_spares
         self._spares: list[subprocess.Popen] = []
@@ -95,11 +96,11 @@ class LocalLauncher:
         self.spares_used = 0
 
     def frontend_host(self) -> str:
-        return LOOPBACK
+        return self.host
 
     def place(self, n: int) -> list[Slot]:
         node = socket.gethostname()
-        return [self._book.take(node, LOOPBACK) for _ in range(n)]
+        return [self._book.take(node, self.host) for _ in range(n)]
 
     def start(self, slot: Slot, argv: list[str], env: dict[str, str]) -> InstanceProcess:
         if argv[:2] == list(INSTANCE_MODULE) and len(argv) == 3 and env == self._spare_env:
@@ -422,9 +423,10 @@ class RayLauncher:
 
 
 def make_launcher(name: str, *, ray_address: str = "auto", cores_per_instance: int = 1, device: str = "cpu",
-                  placement_timeout_s: float = 120.0, warm_spares: int = 0) -> LocalLauncher | RayLauncher:
+                  placement_timeout_s: float = 120.0, warm_spares: int = 0,
+                  local_host: str = LOOPBACK) -> LocalLauncher | RayLauncher:
     if name == "local":
-        return LocalLauncher(warm_spares)
+        return LocalLauncher(warm_spares, host=local_host)
     if name == "ray":
         return RayLauncher(ray_address, cores_per_instance=cores_per_instance, device=device,
                            placement_timeout_s=placement_timeout_s, warm_spares=warm_spares)

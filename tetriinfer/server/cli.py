@@ -102,6 +102,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--rebalance-max-move", type=int, default=16, help="most requests one move hands over")
     scale.add_argument("--autoscale-decode-load", default="inflation", choices=["busy", "kv", "inflation"],
                        help="how a decode instance's load is judged (see --flip-decode-load)")
+    p.add_argument("--instance-host", default="127.0.0.1",
+                   help="--launcher local: the address instances bind for control and KV traffic (::1: IPv6)")
     p.add_argument("--startup-timeout", type=float, default=180.0,
                    help="seconds to place every instance and hear from it before giving up (and stopping them all)")
     p.add_argument("--ray-address", default="auto",
@@ -139,7 +141,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         autoscale_low=args.autoscale_low, autoscale_window_s=args.autoscale_window,
         autoscale_cooldown_s=args.autoscale_cooldown, autoscale_max_instances=args.autoscale_max_instances,
         autoscale_decode_load=args.autoscale_decode_load, autoscale_max_step=args.autoscale_max_step,
-        warm_spares=args.warm_spares, rebalance=args.rebalance, rebalance_min_queued=args.rebalance_min_queued,
+        instance_host=args.instance_host, warm_spares=args.warm_spares, rebalance=args.rebalance, rebalance_min_queued=args.rebalance_min_queued,
         rebalance_max_move=args.rebalance_max_move,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )

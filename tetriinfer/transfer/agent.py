@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from tetriinfer.net import url_host
 from tetriinfer.transfer import messages as m
 from tetriinfer.transfer.arena import PIECE_BYTES, ShmArena
 from tetriinfer.transfer.base import AgentConfig, Peer, TransferStats
@@ -133,10 +134,12 @@ class ZmqAgent:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.SNDHWM, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
+        if "[" in bind_url:  # an IPv6 literal (IPv4 sockets stay plain: their endpoints read as given)
+            self._router.setsockopt(zmq.IPV6, 1)
         self._router.bind(bind_url)
         endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         if advertise:
-            endpoint = endpoint.replace(endpoint.split("://", 1)[1].rsplit(":", 1)[0], advertise, 1)
+            endpoint = endpoint.replace(endpoint.split("://", 1)[1].rsplit(":", 1)[0], url_host(advertise), 1)
         self._address = endpoint
         self._stager = ShmStager(shm_pool_bytes) if use_shm else None
         self._mapper = ShmMapper() if use_shm else None
@@ -551,9 +554,12 @@ class ZmqAgent:
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, 0)
             d.setsockopt(zmq.RCVHWM, 0)
+            endpoint = self._dealer_endpoint(address)
+            if "[" in endpoint:
+                d.setsockopt(zmq.IPV6, 1)
             if (identity := self._dealer_identity()) is not None:
                 d.setsockopt(zmq.ROUTING_ID, identity)
-            d.connect(self._dealer_endpoint(address))
+            d.connect(endpoint)
             self._poller.register(d, zmq.POLLIN)
             self._dealers[address] = d
         return d

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Hashable
 from typing import Any
 
+from tetriinfer.net import bare_host, url_host
 from tetriinfer.transfer.agent import ZmqAgent, _In
 from tetriinfer.transfer.base import AgentConfig, Peer
 from tetriinfer.transfer.messages import RemoteRegion
@@ -59,7 +60,7 @@ def parse_address(address: str) -> tuple[str, str, int]:
     if match is None:
         raise ValueError(f"not a tcp transfer address (tcp://HOST:PORT?data=DATA_PORT): {address!r}")
     host = match.group(1)
-    return f"tcp://{host}:{match.group(2)}", host, int(match.group(3))
+    return f"tcp://{url_host(host)}:{match.group(2)}", bare_host(host), int(match.group(3))
 
 
 class TcpBackend(SideChannelAgent):
@@ -79,11 +80,11 @@ class TcpBackend(SideChannelAgent):
         self._writers: dict[str, StreamWriter] = {}  # by destination address (I/O thread only)
         self._conns: set[Connection] = set()
         self._conns_lock = threading.Lock()
-        bind_host = "0.0.0.0" if host == "*" else host
+        bind_host = "0.0.0.0" if host == "*" else bare_host(host)
         self._listener = socket.create_server((bind_host, data_port), family=socket.AF_INET6 if ":" in bind_host
                                               else socket.AF_INET, backlog=64)
         try:
-            super().__init__(f"tcp://{host}:{port or '*'}", config=config, advertise=advertise_host)
+            super().__init__(f"tcp://{url_host(host)}:{port or '*'}", config=config, advertise=advertise_host)
         except BaseException:
             self._listener.close()
             raise
