@@ -21,33 +21,10 @@ from tqdm import tqdm
 
 from tetriinfer.bench.metrics import summarize
 from tetriinfer.bench.report import publish_markdown
-from tetriinfer.bench.workloads import Workload, load_workload
+from tetriinfer.bench.workloads import parse_rate_profile, stepped_workload
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig, SimResult
 from tetriinfer.sim.cost_model import HARDWARE_PRESETS, RooflineCostModel, kv_bytes_per_token, model_config
-
-
-def parse_profile(text: str) -> list[tuple[float, float]]:
-    """``"2:60,8:60"`` -> [(2.0 req/s, 60.0 s), (8.0, 60.0)]."""
-    phases = []
-    for part in text.split(","):
-        rate, _, secs = part.partition(":")
-        phases.append((float(rate), float(secs)))
-    if not phases or any(r <= 0 or s <= 0 for r, s in phases):
-        raise SystemExit(f"--profile wants RATE:SECONDS pairs with positive values, got {text!r}")
-    return phases
-
-
-def stepped(workload: str, phases: list[tuple[float, float]], seed: int) -> Workload:
-    """Poisson arrivals of ``workload`` whose rate steps through ``phases``; request ids say their phase."""
-    reqs, start = [], 0.0
-    for i, (rate, secs) in enumerate(phases):
-        part = load_workload(workload, max(1, round(rate * secs)), rate, seed + i)
-        reqs += [replace(r, request_id=f"p{i}-{r.request_id}", arrival_s=r.arrival_s + start)
-                 for r in part.requests if r.arrival_s < secs]
-        start += secs
-    reqs.sort(key=lambda r: r.arrival_s)
-    return Workload(f"{workload} stepped", tuple(reqs), "stepped", "poisson", None, seed)
 
 
 def alive_over_time(res: SimResult, initial: list[str], end_s: float) -> list[tuple[float, int]]:
@@ -93,8 +70,11 @@ def main() -> None:
     mcfg = model_config(args.model)
     cost = RooflineCostModel(mcfg, HARDWARE_PRESETS[args.hardware])
     blocks = cost.kv_capacity_tokens() // 16
-    phases = parse_profile(args.profile)
-    wl = stepped(args.workload, phases, args.seed)
+    try:
+        phases = parse_rate_profile(args.profile)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    wl = stepped_workload(args.workload, phases, args.seed)
     auto = dict(autoscale=True, autoscale_high=args.high, autoscale_low=args.low, autoscale_window_s=args.window,
                 autoscale_cooldown_s=args.cooldown, autoscale_max_instances=args.max,
                 autoscale_max_step=args.max_step)

@@ -170,3 +170,32 @@ def test_with_max_context_and_roundtrip() -> None:
     r = w.requests[0]
     assert WorkloadRequest.from_dict(r.to_dict()) == r
     assert w.describe()["num_rejected"] == 4
+
+
+def test_stepped_workload_follows_its_rate_profile() -> None:
+    """Each phase's arrivals fall inside it at about its rate (Poisson); ids say the phase; bad profiles are
+    refused with a clear message."""
+    from tetriinfer.bench.workloads import parse_rate_profile, stepped_workload
+
+    phases = parse_rate_profile("2:100,10:100,2:100")
+    assert phases == [(2.0, 100.0), (10.0, 100.0), (2.0, 100.0)]
+    wl = stepped_workload("mixed", phases, seed=3, max_output_tokens=256)
+    per_phase = [[r for r in wl.requests if r.request_id.startswith(f"p{i}-")] for i in range(3)]
+    for i, (rate, secs) in enumerate(phases):
+        got = per_phase[i]
+        assert all(100 * i <= r.arrival_s < 100 * (i + 1) for r in got)
+        assert 0.7 * rate * secs <= len(got) <= 1.05 * rate * secs  # draws arriving after the phase are dropped
+    assert len(per_phase[1]) > 3 * len(per_phase[0])
+    assert all(r.output_tokens <= 256 for r in wl.requests)
+    assert stepped_workload("mixed", phases, seed=3, max_output_tokens=256).requests == wl.requests
+    for bad in ("", "2", "2:60,x:3", "0:60", "2:-1"):
+        with pytest.raises(ValueError, match="rate profile"):
+            parse_rate_profile(bad)
+
+
+def test_bench_workload_cli_takes_a_rate_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    from tetriinfer.cli import main
+
+    assert main(["bench", "workload", "-w", "lpld", "--rate-profile", "1:20,4:20"]) == 0
+    assert "rate profile 1:20,4:20" in capsys.readouterr().out
+    assert main(["bench", "workload", "-w", "lpld", "--rate-profile", "1:20", "--rate", "3"]) == 2

@@ -49,6 +49,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "their own timestamps, rescaled to this rate when given)",
     )
     g.add_argument(
+        "--rate-profile",
+        default=None,
+        metavar="RATE:SECONDS,...",
+        help="classes: Poisson arrivals whose rate steps through these phases (e.g. 0.5:60,3:120,0.5:60, for "
+        "autoscaling); replaces --rate and --num-requests",
+    )
+    g.add_argument(
         "--trace-timescale",
         type=float,
         default=None,
@@ -91,8 +98,20 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from tetriinfer.bench.workloads import load_workload
+    from tetriinfer.bench.workloads import (
+        load_workload,
+        parse_rate_profile,
+        stepped_workload,
+        with_max_context,
+    )
 
+    if args.rate_profile:
+        if args.rate is not None or args.workload.startswith("trace:"):
+            raise ValueError("--rate-profile shapes a class workload's arrivals: not with --rate or a trace")
+        wl = stepped_workload(args.workload, parse_rate_profile(args.rate_profile), args.seed,
+                              max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+                              length_source=args.length_source)
+        return with_max_context(wl, args.max_context)
     arrival = args.arrival
     if args.burstiness_cv != 1.0 and arrival is None:
         arrival = "gamma"

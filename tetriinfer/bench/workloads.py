@@ -28,7 +28,7 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -494,6 +494,38 @@ def _trace_workload(
         seed,
         tuple(notes),
     )
+
+
+def parse_rate_profile(text: str) -> list[tuple[float, float]]:
+    """``"2:60,8:90"`` -> [(2.0 req/s, 60.0 s), (8.0, 90.0)]: a rate held for that long, then the next."""
+    phases = []
+    for part in text.split(","):
+        rate, sep, secs = part.partition(":")
+        try:
+            phases.append((float(rate), float(secs)))
+        except ValueError:
+            raise ValueError(f"rate profile wants RATE:SECONDS pairs, got {part!r} in {text!r}") from None
+        if not sep:
+            raise ValueError(f"rate profile wants RATE:SECONDS pairs, got {part!r} in {text!r}")
+    if not phases or any(r <= 0 or s <= 0 for r, s in phases):
+        raise ValueError(f"rate profile wants positive rates and durations, got {text!r}")
+    return phases
+
+
+def stepped_workload(name: str, phases: list[tuple[float, float]], seed: int = 0, **kw: object) -> Workload:
+    """Poisson arrivals of the class workload ``name`` whose rate steps through ``phases`` (``parse_rate_profile``):
+    per phase, ``round(rate x seconds)`` draws, those arriving after the phase's end dropped; request ids say
+    their phase (``p0-...``). ``kw``: further ``load_workload`` options (length caps, source)."""
+    reqs, start = [], 0.0
+    for i, (rate, secs) in enumerate(phases):
+        part = load_workload(name, max(1, round(rate * secs)), rate, seed + i, **kw)  # type: ignore[arg-type]
+        reqs += [replace(r, request_id=f"p{i}-{r.request_id}", arrival_s=r.arrival_s + start)
+                 for r in part.requests if r.arrival_s < secs]
+        start += secs
+    reqs.sort(key=lambda r: r.arrival_s)
+    profile = ",".join(f"{r:g}:{s:g}" for r, s in phases)
+    return Workload(f"{name}@{profile}", tuple(reqs), "stepped", "poisson", None, seed,
+                    notes=(f"rate profile {profile} (req/s:seconds)",))
 
 
 def with_max_context(workload: Workload, max_context: int | None) -> Workload:
