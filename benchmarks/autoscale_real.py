@@ -47,7 +47,7 @@ def instance_seconds(scaling: list[dict[str, Any]], initial: int, t0: float, t1:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the tiny llama)")
-    ap.add_argument("--profile", default="0.3:60,1.3:90,0.3:60", help="RATE:SECONDS,... of the mixed workload")
+    ap.add_argument("--profile", default="0.3:60,2.6:90,0.3:60", help="RATE:SECONDS,... of the mixed workload")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--high", type=float, default=0.6)
     ap.add_argument("--low", type=float, default=0.15)
