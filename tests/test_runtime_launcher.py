@@ -8,6 +8,7 @@ the veth link over our TCP transfer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -84,6 +86,20 @@ def _short_tmp() -> str:
     return tempfile.mkdtemp(prefix="tiray-", dir="/tmp")
 
 
+@contextlib.contextmanager
+def _ray_tmpdir(path: str) -> Iterator[None]:
+    """RAY_TMPDIR set to ``path`` while a server (and its private Ray) starts, then as it was."""
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
+
+
 def _complete(base_url: str, max_tokens: int, stream: bool = False) -> dict:
     model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
     body = {"model": model, "prompt": "the quick brown fox " * 20, "max_tokens": max_tokens,
@@ -109,17 +125,10 @@ def test_serve_on_ray_answers_reports_placement_and_cleans_up(tiny_llama: Path, 
     instance is seen as dead (/health and /cluster say so, a new request is refused with 503, not routed to it), and stopping the server leaves no instance and
     no Ray process behind."""
     ray_tmp = _short_tmp()  # Ray's socket paths under it must fit AF_UNIX's 107 bytes
-    env_before = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = ray_tmp
-    try:
+    with _ray_tmpdir(ray_tmp):
         server = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances",
                               "1", "--kv-backend", "tcp", "--launcher", "ray", "--ray-address", "local",
                               "--startup-timeout", "30")
-    finally:
-        if env_before is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = env_before
     try:
         assert _ray_processes(ray_tmp), "Ray's own processes should run under the temp dir we gave it"
         info = server.cluster()["instances"]
@@ -165,16 +174,9 @@ def test_ray_warm_spare_becomes_the_added_instance(tiny_llama: Path) -> None:
     scale-out takes it (warm) and it serves; the replacement spare stays pending while Ray has no free CPU; stopping
     the server leaves no instance, spare or Ray process behind."""
     ray_tmp = _short_tmp()
-    env_before = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = ray_tmp
-    try:
+    with _ray_tmpdir(ray_tmp):
         server = ServeProcess(tiny_llama, "--mode", "colocated", "--instances", "1", "--launcher", "ray",
                               "--ray-address", "local", "--startup-timeout", "60", "--warm-spares", "1")
-    finally:
-        if env_before is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = env_before
     try:
         deadline = time.monotonic() + 60
         while not server.cluster()["warm_spares"]["pids"] and time.monotonic() < deadline:

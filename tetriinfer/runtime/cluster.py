@@ -275,9 +275,9 @@ class ClusterEngineClient:
                 self._launcher.release(slot)
                 raise ValueError("kv backend 'shm' needs every instance on one host; the new one was placed on "
                                  "another node")
-            spares_used = getattr(self._launcher, "spares_used", 0)
+            spares_used = self._launcher.spares_used
             info = await self._launch(role, slot)
-            warm = getattr(self._launcher, "spares_used", 0) > spares_used
+            warm = self._launcher.spares_used > spares_used
             deadline = time.monotonic() + self.config.startup_timeout_s
             while info.hello is None:
                 failed = (f"exited with code {info.process.returncode} during startup" if not info.alive
@@ -780,8 +780,8 @@ class ClusterEngineClient:
             "predictor": dict(self.predictor_log),
             "local_prefills": self.policy.num_local_prefills,
             "kept_decodes": self.num_kept_decodes,
-            "warm_spares": {"pids": list(getattr(self._launcher, "spare_pids", [])),
-                            "used": getattr(self._launcher, "spares_used", 0)},
+            "warm_spares": {"pids": self._launcher.spare_pids if self._launcher else [],
+                            "used": self._launcher.spares_used if self._launcher else 0},
             "rebalance": {"moves": self.rebalancer.num_moves, "migrated": self.num_migrated,
                           "pending": sorted(self.rebalancer.pending)},
             "ttft_by_prefill_role": {role: {"count": n, "mean_s": total / n}

@@ -71,6 +71,27 @@ class _SlotBook:
         self._in_use.get(slot.node, set()).discard(slot.local_index)
 
 
+def spawn_spare(env: dict[str, str]) -> subprocess.Popen:
+    """A warm spare: ``python -m tetriinfer.runtime.instance --spare`` (imports, then waits for a spec on stdin)."""
+    return subprocess.Popen([sys.executable, *INSTANCE_MODULE, "--spare"], stdin=subprocess.PIPE,
+                            env={**os.environ, **env})
+
+
+def hand_spec(spare: subprocess.Popen, argv: list[str]) -> bool:
+    """Give a live spare the instance command ``argv`` (``-m tetriinfer.runtime.instance SPEC``): True if it took
+    it; False if ``argv`` is not an instance command or the spare is gone (the caller starts a fresh process)."""
+    if argv[:2] != list(INSTANCE_MODULE) or len(argv) != 3 or spare.poll() is not None:
+        return False
+    assert spare.stdin is not None
+    try:
+        spare.stdin.write(argv[2].encode() + b"\n")
+        spare.stdin.close()
+    except OSError:  # it died just now
+        spare.kill()
+        return False
+    return True
+
+
 class LocalLauncher:
     """Instance processes on this machine, bound to loopback.
 
@@ -103,20 +124,13 @@ class LocalLauncher:
         return [self._book.take(node, self.host) for _ in range(n)]
 
     def start(self, slot: Slot, argv: list[str], env: dict[str, str]) -> InstanceProcess:
-        if argv[:2] == list(INSTANCE_MODULE) and len(argv) == 3 and env == self._spare_env:
+        if env == self._spare_env:
             self._spares = [p for p in self._spares if p.poll() is None]
-            if self._spares:
+            if self._spares and hand_spec(self._spares[0], argv):
+                self.spares_used += 1
                 proc = self._spares.pop(0)
-                assert proc.stdin is not None
-                try:
-                    proc.stdin.write(argv[2].encode() + b"\n")
-                    proc.stdin.close()
-                except OSError:  # it died just now: start fresh below
-                    pass
-                else:
-                    self.spares_used += 1
-                    self._top_up()
-                    return proc
+                self._top_up()
+                return proc
         return subprocess.Popen([sys.executable, *argv], env={**os.environ, **env})
 
     @property
@@ -133,8 +147,7 @@ class LocalLauncher:
         if self._spare_env is None:
             return
         while len(self._spares) < self.warm_spares:
-            self._spares.append(subprocess.Popen([sys.executable, *INSTANCE_MODULE, "--spare"],
-                                                 stdin=subprocess.PIPE, env={**os.environ, **self._spare_env}))
+            self._spares.append(spawn_spare(self._spare_env))
 
     def release(self, slot: Slot) -> None:
         """The instance in ``slot`` has exited: its cores are free for the next placement."""
@@ -179,23 +192,15 @@ class _InstanceHost:
         return ray.get_runtime_context().get_node_id()
 
     def start_spare(self, env: dict[str, str]) -> int:
-        self.spare = subprocess.Popen([sys.executable, *INSTANCE_MODULE, "--spare"], stdin=subprocess.PIPE,
-                                      env={**os.environ, **env})
+        self.spare = spawn_spare(env)
         return self.spare.pid
 
     def start(self, argv: list[str], env: dict[str, str]) -> tuple[int, bool]:
         """Run the instance: in the spare when there is a live one (True), else in a fresh process."""
         spare, self.spare = self.spare, None
-        if spare is not None and spare.poll() is None and argv[:2] == list(INSTANCE_MODULE) and len(argv) == 3:
-            assert spare.stdin is not None
-            try:
-                spare.stdin.write(argv[2].encode() + b"\n")
-                spare.stdin.close()
-            except OSError:
-                spare.kill()
-            else:
-                self.proc = spare
-                return spare.pid, True
+        if spare is not None and hand_spec(spare, argv):
+            self.proc = spare
+            return spare.pid, True
         self.proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env})
         return self.proc.pid, False
 

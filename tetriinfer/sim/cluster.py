@@ -199,9 +199,9 @@ class SimCluster:
         self._started_at[iid] = at
         return inst
 
-    @staticmethod
-    def _role_of(inst: SimInstance) -> str:
-        return "prefill" if isinstance(inst, SimPrefill) else "decode" if isinstance(inst, SimDecode) else "colocated"
+    def _active_roles(self) -> dict[str, str]:
+        """Instance id -> role of every instance not being retired (what the scaling and rebalancing rules see)."""
+        return {iid: inst.role for iid, inst in self.instances.items() if iid not in self._retiring}
 
     # ---- running --------------------------------------------------------------------------
     def run(self, workload: Workload) -> SimResult:
@@ -406,13 +406,11 @@ class SimCluster:
         reports = [r if r.instance_id not in self._retiring else
                    dataclasses.replace(r, state=InstanceState.DRAINING) for r in reports]
         if c.autoscale:
-            roles = {iid: self._role_of(inst) for iid, inst in self.instances.items() if iid not in self._retiring}
-            for scale_cmd in self.scale.observe(reports, roles, now):
+            for scale_cmd in self.scale.observe(reports, self._active_roles(), now):
                 self._scale(scale_cmd, now)
         self.loads = reports
-        if c.rebalance:
-            roles = {iid: self._role_of(inst) for iid, inst in self.instances.items() if iid not in self._retiring}
-            for move in self.rebalancer.plan(reports, roles):
+        if c.rebalance:  # after scaling: an instance it just started draining gives nothing and takes nothing
+            for move in self.rebalancer.plan(reports, self._active_roles()):
                 self._move(move.donor, move.count, now)
         decode_loads = [r for r in reports if r.role is Role.DECODE]
         for inst in self.instances.values():
