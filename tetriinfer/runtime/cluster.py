@@ -92,8 +92,9 @@ class InstanceInfo:
 
     @property
     def routable(self) -> bool:
-        """May receive new work: alive and not being removed."""
-        return self.alive and not self.retiring
+        """May receive new work: alive, connected (an added instance can report before the front end has
+        connected to it) and not being removed."""
+        return self.alive and self.socket is not None and not self.retiring
 
 
 @dataclass
@@ -679,7 +680,10 @@ class ClusterEngineClient:
                 continue
             stream.instances.add(target)
             self.num_migrated += 1
-            await self.instances[target].socket.send(encode(stream.new_request))  # type: ignore[union-attr]
+            try:
+                await self.instances[target].socket.send(encode(stream.new_request))  # type: ignore[union-attr]
+            except (AttributeError, KeyError, zmq.ZMQError) as e:  # gone meanwhile: end it, never lose it
+                self._finish_stream(stream, "error", error=f"re-routing after rebalancing failed: {e!r}")
 
     def _on_switched(self, msg: RoleSwitched) -> None:
         info = self.instances[msg.instance_id]
