@@ -30,6 +30,10 @@ youngest running request is preempted: ``recompute`` frees its blocks and later 
 outputs here as one prefill segment; ``swap`` frees its blocks after the executor copies them to host
 memory (``SchedulerOutput.swapped_out``) and copies them back on resume (``swapped_in``).
 
+Live migration (``core.migration``): ``detach`` takes a running decode out of the batch between steps, its
+blocks still held, while its KV is copied to another instance; ``release_migrated`` then frees them (the
+request leaves unfinished: it goes on elsewhere), ``reattach`` puts it back into the batch (the move failed).
+
 Invariants: never more blocks than the pool (allocation is all-or-nothing); running + reserved <=
 ``max_num_seqs``; the oldest running request always progresses or is the last holder and its context
 exceeds the pool (then it finishes with FINISHED_LENGTH): no deadlock; every block of a request is
@@ -111,6 +115,7 @@ class DecodeScheduler:
         self.reserved: dict[str, Request] = {}  # awaiting KV, in reservation order
         self.running: list[Request] = []  # admission order: index 0 is the oldest
         self.suspended: deque[Request] = deque()  # preempted (recompute or swapped), resume FIFO
+        self.migrating: dict[str, Request] = {}  # detached for live migration: blocks held, not scheduled
         self._table = RequestTable(kv, forget=self._forget)
         self._target: dict[str, int] = {}  # reservation target in blocks
         self._swapped: set[str] = set()
@@ -271,6 +276,36 @@ class DecodeScheduler:
     def block_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)
 
+    # ---- live migration ------------------------------------------------------------------
+    def detach(self, request_id: str) -> Request:
+        """Take a running decode (first token sampled, all but its last token computed) out of the batch for
+        live migration; it keeps its blocks and target. KeyError: not running here; ValueError: not decoding."""
+        req = next((r for r in self.running if r.request_id == request_id), None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not running at this instance")
+        if not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is not decoding (prefill unfinished or mid-step)")
+        self.running.remove(req)
+        self.migrating[request_id] = req
+        return req
+
+    def reattach(self, request_id: str) -> None:
+        """The migration failed: the request decodes here again from the next step (as the youngest)."""
+        req = self.migrating.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not migrating from this instance")
+        self.running.append(req)
+
+    def release_migrated(self, request_id: str) -> Request:
+        """The migration succeeded: free the request's blocks; it leaves unfinished (not reported here)."""
+        req = self.migrating.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not migrating from this instance")
+        self.kv.free_request(request_id)
+        del self._target[request_id]
+        self._table.remove(request_id)
+        return req
+
     def has_unfinished(self) -> bool:
         return bool(self._table)
 
@@ -285,6 +320,7 @@ class DecodeScheduler:
         """``RequestTable`` hook: take a finishing request out of every queue and drop its target."""
         rid = req.request_id
         self.reserved.pop(rid, None)
+        self.migrating.pop(rid, None)
         if req in self.running:
             self.running.remove(req)
         if req in self.suspended:
@@ -455,9 +491,9 @@ class DecodeScheduler:
         self.kv.check_invariants()
         ids_run = [r.request_id for r in self.running]
         ids_sus = [r.request_id for r in self.suspended]
-        groups = [set(self.reserved), set(ids_run), set(ids_sus)]
+        groups = [set(self.reserved), set(ids_run), set(ids_sus), set(self.migrating)]
         if sum(len(g) for g in groups) != len(self._table) or set().union(*groups) != set(self._table):
-            raise AssertionError("requests table disagrees with reserved + running + suspended")
+            raise AssertionError("requests table disagrees with reserved + running + suspended + migrating")
         if len(self.running) + len(self.reserved) > self.config.max_num_seqs:
             raise AssertionError("more than max_num_seqs requests running or reserved")
         for rid in ids_sus:

@@ -19,6 +19,21 @@ class Sampler:
         for rid in request_ids:
             self._generators.pop(rid, None)
 
+    def export_state(self, request_id: str) -> bytes:
+        """The request's seeded generator state (empty: it has none yet, or is unseeded), for live migration.
+        Raw bytes of torch's state tensor: nothing executable, restored with ``import_state``."""
+        gen = self._generators.get(request_id)
+        return b"" if gen is None else bytes(gen.get_state().numpy().tobytes())
+
+    def import_state(self, request_id: str, seed: int, state: bytes) -> None:
+        """Continue a migrated seeded request's generator where its source stopped. ValueError: malformed."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        expect = gen.get_state().numel()
+        if len(state) != expect:
+            raise ValueError(f"sampler state for {request_id!r} has {len(state)} bytes, expected {expect}")
+        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self._generators[request_id] = gen
+
     def _generator(self, seg: ScheduledSegment) -> torch.Generator:
         seed = seg.sampling_params.seed
         if seed is None:

@@ -29,6 +29,7 @@ import zmq.asyncio
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.load import LoadReport, Role
+from tetriinfer.core.migration import MigrationPlanner
 from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
@@ -50,6 +51,9 @@ from tetriinfer.runtime.messages import (
     DecodeLoads,
     Dispatched,
     Hello,
+    Migrate,
+    Migrating,
+    MigrationDone,
     NewRequest,
     PeerTable,
     PredictorStat,
@@ -139,6 +143,9 @@ class ClusterEngineClient:
         self.scale_policy = ScalePolicy(config.scale_config())
         self.rebalancer = Rebalancer(config.rebalance_config())
         self.num_migrated = 0  # requests handed back unstarted and routed again (--rebalance)
+        self.migration = MigrationPlanner(config.migration_config())  # live migration of running decodes
+        self.migration_log: dict[str, Any] = {"moves": 0, "moved": 0, "returned": 0, "seconds": 0.0, "bytes": 0,
+                                              "moved_by_reason": {}, "recent": []}
         self._next_id: dict[str, int] = {}  # role -> next instance number (ids are never reused)
         self._front_address = ""
         self._scale_lock = asyncio.Lock()  # one membership change at a time
@@ -358,6 +365,7 @@ class ClusterEngineClient:
         if self.config.flip:
             self.flip_policy.remove(info.instance_id)
         self.rebalancer.forget(info.instance_id)
+        self.migration.forget(info.instance_id)
 
     async def _autoscale(self, cmd: ScaleCommand) -> None:
         """Carry out one autoscaling command; the policy hears once when it is done (an ADD: its instances serve; a
@@ -648,6 +656,15 @@ class ClusterEngineClient:
                     info.last_seen = time.time()
             elif isinstance(msg, Yielded):
                 self._tasks.append(asyncio.create_task(self._on_yielded(msg)))
+            elif isinstance(msg, Migrating):
+                for rid in msg.request_ids:  # its target now holds it too: a failure there must end it
+                    stream = self.streams.get(rid)
+                    if stream is not None:
+                        stream.instances.add(msg.target)
+                    with contextlib.suppress(KeyError, ValueError):
+                        self.policy.on_dispatched(rid, msg.target)
+            elif isinstance(msg, MigrationDone):
+                self._on_migration_done(msg)
             elif isinstance(msg, Retired):
                 info = self.instances.get(msg.instance_id)
                 if info is not None:
@@ -685,6 +702,40 @@ class ClusterEngineClient:
             except (AttributeError, KeyError, zmq.ZMQError) as e:  # gone meanwhile: end it, never lose it
                 self._finish_stream(stream, "error", error=f"re-routing after rebalancing failed: {e!r}")
 
+    def _on_migration_done(self, msg: MigrationDone) -> None:
+        self.migration.done(msg.instance_id)
+        log = self.migration_log
+        log["moves"] += 1
+        log["moved"] += len(msg.moved)
+        log["returned"] += len(msg.returned)
+        log["seconds"] += msg.seconds
+        log["bytes"] += msg.num_bytes
+        by_reason = log["moved_by_reason"]
+        by_reason[msg.reason] = by_reason.get(msg.reason, 0) + len(msg.moved)
+        log["recent"] = [*log["recent"][-49:], {"source": msg.instance_id, "reason": msg.reason,
+                                                "moved": len(msg.moved), "returned": len(msg.returned),
+                                                "seconds": msg.seconds, "bytes": msg.num_bytes, "time": time.time()}]
+        for rid in msg.returned:  # it decodes on at its source
+            with contextlib.suppress(KeyError, ValueError):
+                self.policy.on_dispatched(rid, msg.instance_id)
+
+    async def _plan_migrations(self) -> None:
+        """Live migration round: evacuate decode instances that are leaving (retiring, or draining for a flip),
+        balance the others (``core.migration``)."""
+        members = [i for i in self.instances.values() if i.alive and i.socket is not None and i.load is not None]
+        loads = [load_from_wire(i.load) for i in members]  # type: ignore[arg-type]
+        roles = {i.instance_id: i.role for i in members}
+        evacuate = {i.instance_id for i in members if i.role == "decode" and (
+            i.retiring or i.load.state == "draining")}  # type: ignore[union-attr]
+        routable = {i.instance_id for i in members if i.routable}
+        loads = [r for r in loads if r.instance_id in routable or r.instance_id in evacuate]
+        for cmd in self.migration.plan(loads, roles, evacuate):
+            info = self.instances[cmd.source]
+            try:
+                await info.socket.send(encode(Migrate([list(t) for t in cmd.targets], cmd.reason)))  # type: ignore[union-attr]
+            except zmq.ZMQError:
+                self.migration.done(cmd.source)
+
     def _on_switched(self, msg: RoleSwitched) -> None:
         info = self.instances[msg.instance_id]
         old = info.role
@@ -711,6 +762,8 @@ class ClusterEngineClient:
                 roles = {i.instance_id: i.role for i in self.instances.values() if i.routable and not i.retiring}
                 for move in self.rebalancer.plan(loads, roles):
                     await self.instances[move.donor].socket.send(encode(Yield(move.count)))  # type: ignore[union-attr]
+            if self.config.migrate and self._started and not self._closing:
+                await self._plan_migrations()
             if self.config.flip and self.config.disaggregated and loads:
                 for cmd in self.flip_policy.observe(loads, time.time()):
                     info = self.instances[cmd.instance_id]
@@ -745,9 +798,23 @@ class ClusterEngineClient:
                     info.replacing = True
                     self._tasks.append(asyncio.create_task(self._replace(info)))
         names = {i.instance_id for i in dead}
+        ended = []
         for stream in list(self.streams.values()):
             if stream.instances & names and not stream.finished:
                 self._finish_stream(stream, "error", error=f"instance {sorted(stream.instances & names)} died")
+                ended.append(stream.request_id)
+        for iid in names:
+            self.migration.forget(iid)
+        if ended:  # the live instances that also hold them (a migration's source, a prefill copy) free them
+            self._tasks.append(asyncio.create_task(self._broadcast_aborts(ended)))
+
+    async def _broadcast_aborts(self, request_ids: list[str]) -> None:
+        for info in list(self.instances.values()):
+            if info.socket is None or not info.alive:
+                continue
+            for rid in request_ids:
+                with contextlib.suppress(zmq.ZMQError):
+                    await info.socket.send(encode(Abort(rid)))
 
     # ---- introspection ---------------------------------------------------------------------
     def cluster_info(self) -> dict[str, Any]:
@@ -788,6 +855,9 @@ class ClusterEngineClient:
                             "used": self._launcher.spares_used if self._launcher else 0},
             "rebalance": {"moves": self.rebalancer.num_moves, "migrated": self.num_migrated,
                           "pending": sorted(self.rebalancer.pending)},
+            "migration": {**{k: v for k, v in self.migration_log.items() if k != "recent"},
+                          "moved_by_reason": dict(self.migration_log["moved_by_reason"]),
+                          "pending": sorted(self.migration.pending), "recent": list(self.migration_log["recent"])},
             "ttft_by_prefill_role": {role: {"count": n, "mean_s": total / n}
                                      for role, (n, total) in self.ttft_by_prefill_role.items()},
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),

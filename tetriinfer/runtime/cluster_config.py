@@ -6,6 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
+from tetriinfer.core.migration import MigrationConfig
 from tetriinfer.core.rebalance import RebalanceConfig
 from tetriinfer.core.scale_policy import ScaleConfig
 
@@ -103,6 +104,12 @@ class ClusterConfig:
     rebalance: bool = False  # core.rebalance: idle instances take unstarted queued requests from backed-up peers
     rebalance_min_queued: int = 2
     rebalance_max_move: int = 16
+    migrate: bool = False  # core.migration: live-migrate running decodes (evacuate leaving instances, balance)
+    migrate_signal: str = "kv"
+    migrate_high: float = 0.85
+    migrate_low: float = 0.6
+    migrate_min_gap: int = 4
+    migrate_max_per_move: int = 8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -129,6 +136,10 @@ class ClusterConfig:
             raise ValueError("local_prefill_weight must be >= 0")
         self.scale_config()  # validates the autoscale fields
         self.rebalance_config()
+        self.migration_config()
+        if self.migrate and not self.disaggregated:
+            raise ValueError("--migrate moves running decodes between decode instances: it needs a disaggregated "
+                             "mode (colocated instances do not take migrants yet)")
         try:
             ipaddress.ip_address(self.instance_host)
         except ValueError:
@@ -149,6 +160,11 @@ class ClusterConfig:
     def rebalance_config(self) -> RebalanceConfig:
         return RebalanceConfig(enabled=self.rebalance, min_queued=self.rebalance_min_queued,
                                max_move=self.rebalance_max_move)
+
+    def migration_config(self) -> MigrationConfig:
+        return MigrationConfig(enabled=self.migrate, signal=self.migrate_signal, high=self.migrate_high,
+                               low=self.migrate_low, min_gap=self.migrate_min_gap,
+                               max_per_move=self.migrate_max_per_move)
 
     def scale_config(self) -> ScaleConfig:
         return ScaleConfig(enabled=self.autoscale, high=self.autoscale_high, low=self.autoscale_low,

@@ -9,6 +9,11 @@ wait) -> reserved (blocks allocated *before* bytes move) -> receiving (memory po
 -> KV written into its blocks -> decoding -> finished | aborted. A failed or timed-out receive is
 re-posted up to ``transfer_attempts`` times (blocks stay reserved), then the blocks are freed and the
 prefill instance told (KVDone failed) so it re-dispatches.
+
+Live migration (``core.migration``): as a target, a ``Handoff(migrated=True)`` is a running decode moving here
+from another decode instance (its sender plays the prefill side of the same protocol); it is admitted at once or
+refused (``KVDone(failed)``: it decodes on at its source), never queued. As a source, ``Migrate`` hands running
+decodes over (``runtime.emigration``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,17 @@ from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerCon
 from tetriinfer.core.load import InstanceState, LoadReport, decode_instance_report
 from tetriinfer.core.request import Request
 from tetriinfer.core.step_inflation import StepInflation
-from tetriinfer.runtime.messages import Abort, Handoff, KVDone, KVReady, NewRequest, PrefillDone, TransferStat
+from tetriinfer.runtime.emigration import Emigration
+from tetriinfer.runtime.messages import (
+    Abort,
+    Handoff,
+    KVDone,
+    KVReady,
+    Migrate,
+    NewRequest,
+    PrefillDone,
+    TransferStat,
+)
 from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, schedule_decode
 
 
@@ -59,12 +74,22 @@ class DecodeWorker:
         self.first_tokens: dict[str, list[int]] = {}
         self.kv_complete: dict[str, Receiving] = {}
         self.inflation = StepInflation()  # how much batching slows each step (flip policy's decode load)
+        self.emigration = Emigration(ctx, self.scheduler)  # running decodes leaving (live migration)
 
     # ---- messages ------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
+            if msg.migrated:
+                self._admit_migrant(msg)
+                return
             self.pending.append(msg)
             self._admit()
+        elif isinstance(msg, Migrate):
+            self.emigration.start(msg)
+        elif isinstance(msg, KVReady):
+            self.emigration.on_kv_ready(msg)
+        elif isinstance(msg, KVDone):
+            self.emigration.on_kv_done(msg)
         elif isinstance(msg, NewRequest):
             self.local_pending.append(msg)
             self._admit_local()
@@ -79,20 +104,7 @@ class DecodeWorker:
     def _admit(self) -> None:
         while self.pending:
             h = self.pending[0]
-            req = Request(
-                request_id=h.request_id,
-                prompt_token_ids=list(h.prompt_token_ids),
-                sampling_params=h.params.to_params(),
-                arrival_time=h.arrival_time,
-                eos_token_id=h.eos_token_id,
-                # Chunk-wise handoffs arrive before the first token exists: a placeholder sizes the
-                # reservation and is replaced by PrefillDone before the request ever runs.
-                output_token_ids=list(h.output_token_ids) if not h.early else [0],
-            )
-            req.num_computed_tokens = req.num_tokens - 1
-            if h.prediction is not None:
-                req.predicted_bucket = h.prediction.bucket
-                req.predicted_lower, req.predicted_upper = h.prediction.lower, h.prediction.upper
+            req = self._request(h)
             try:
                 ok = self.scheduler.reserve(req)
             except ValueError as exc:  # can never run here: fail cleanly, let the prefill side free its copy
@@ -104,6 +116,35 @@ class DecodeWorker:
                 return
             self.pending.popleft()
             self._post_receive(h, attempt=0)
+
+    def _admit_migrant(self, h: Handoff) -> None:
+        """A running decode moving here: reserve now or refuse (it then decodes on at its source)."""
+        try:
+            ok = self.scheduler.reserve(self._request(h))
+            reason = "" if ok else "no room at the target"
+        except ValueError as exc:
+            ok, reason = False, str(exc)
+        if not ok:
+            self.ctx.send_peer(h.prefill_id, KVDone(h.request_id, failed=True, reason=reason))
+            return
+        self._post_receive(h, attempt=0)
+
+    def _request(self, h: Handoff) -> Request:
+        req = Request(
+            request_id=h.request_id,
+            prompt_token_ids=list(h.prompt_token_ids),
+            sampling_params=h.params.to_params(),
+            arrival_time=h.arrival_time,
+            eos_token_id=h.eos_token_id,
+            # Chunk-wise handoffs arrive before the first token exists: a placeholder sizes the
+            # reservation and is replaced by PrefillDone before the request ever runs.
+            output_token_ids=list(h.output_token_ids) if not h.early else [0],
+        )
+        req.num_computed_tokens = req.num_tokens - 1
+        if h.prediction is not None:
+            req.predicted_bucket = h.prediction.bucket
+            req.predicted_lower, req.predicted_upper = h.prediction.lower, h.prediction.upper
+        return req
 
     def _admit_local(self) -> None:
         while self.local_pending:
@@ -134,6 +175,7 @@ class DecodeWorker:
     def poll_transfers(self) -> None:
         from tetriinfer.transfer import TransferState
 
+        self.emigration.poll()
         backend = self.ctx.backend
         for rid, rcv in list(self.receiving.items()):
             state = backend.poll(rcv.transfer_id)
@@ -167,6 +209,9 @@ class DecodeWorker:
             req.num_computed_tokens = req.num_tokens - 1
         table = self.scheduler.block_table(rid)
         self.ctx.runner.kv.write_blocks(table[: rcv.handoff.num_kv_blocks], rcv.staging)
+        seed = rcv.handoff.params.seed
+        if rcv.handoff.rng_state and seed is not None:  # a migrated seeded request samples on where it stopped
+            self.ctx.runner.sampler.import_state(rid, seed, rcv.handoff.rng_state)
         self.scheduler.on_kv_received(rid)
         self.ctx.send_peer(rcv.handoff.prefill_id, KVDone(rid))
 
@@ -191,7 +236,7 @@ class DecodeWorker:
 
     def is_empty(self) -> bool:
         return (not self.scheduler.has_unfinished() and not self.pending and not self.receiving
-                and not self.kv_complete and not self.local_pending)
+                and not self.kv_complete and not self.local_pending and not self.emigration.outgoing)
 
     def step(self) -> bool:
         if self.pending:
@@ -221,6 +266,7 @@ class DecodeWorker:
         self.kv_complete.pop(rid, None)
         self.first_tokens.pop(rid, None)
         self.scheduler.abort(rid)
+        self.emigration.abort(rid)
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)

@@ -7,6 +7,7 @@ drains, then swaps the worker in place; the model and KV tensors stay loaded.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -23,8 +24,12 @@ from tetriinfer.runtime.colocated_worker import ColocatedWorker
 from tetriinfer.runtime.decode_worker import DecodeWorker
 from tetriinfer.runtime.instance_spec import InstanceSpec, decode_spec
 from tetriinfer.runtime.messages import (
+    Handoff,
     Hello,
+    KVDone,
     Message,
+    Migrate,
+    MigrationDone,
     PeerTable,
     PredictorStat,
     Retire,
@@ -189,6 +194,17 @@ class Instance:
             self._send_front(Yielded(self.spec.instance_id, [r.request_id for r in taken]))
             if taken:
                 self._report(force=True)
+        elif isinstance(msg, Migrate):  # live migration: only a decode worker holds running decodes to move
+            if self.role == "decode":
+                self.worker.handle(msg)
+            else:
+                self._send_front(MigrationDone(self.spec.instance_id, [], [], 0.0, 0, msg.reason))
+        elif isinstance(msg, Handoff) and msg.migrated and (
+                self.role != "decode" or self.state is not InstanceState.ACTIVE or self.retire is not None):
+            # a migrant for an instance that is leaving or no longer decodes: it stays at its source
+            with contextlib.suppress(RuntimeError):
+                self._send_peer(msg.prefill_id, KVDone(msg.request_id, failed=True,
+                                                       reason=f"target is {self.state.value} ({self.role})"))
         elif isinstance(msg, SetRole):
             if msg.role != self.role and msg.role in WORKERS:
                 if self.state is InstanceState.ACTIVE:

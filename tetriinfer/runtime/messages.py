@@ -107,6 +107,14 @@ class Yield(msgspec.Struct, tag=True, frozen=True):
     count: int
 
 
+class Migrate(msgspec.Struct, tag=True, frozen=True):
+    """Live migration (``core.migration``): move ``count`` running decodes to each ``(target, count)``; answered
+    by ``Migrating`` at once and ``MigrationDone`` when every picked request moved, came back or ended."""
+
+    targets: list[tuple[str, int]]
+    reason: str = ""
+
+
 # ---- instance -> instance ----------------------------------------------------------------------
 class Handoff(msgspec.Struct, tag=True, frozen=True):
     """Prefill -> decode: a prefilled request (first token sampled); its KV waits at ``prefill_id``."""
@@ -123,6 +131,10 @@ class Handoff(msgspec.Struct, tag=True, frozen=True):
     # Chunk-wise transfer: sent after the first chunk, before the prompt is fully prefilled. The KV then
     # arrives block by block (one slot per layer, K/V and block) and ``PrefillDone`` brings the first token.
     early: bool = False
+    # Live migration: a running decode moving from instance ``prefill_id`` (the source). The target admits it at
+    # once or answers KVDone(failed) (the source decodes it on); ``rng_state``: its seeded sampler's state.
+    migrated: bool = False
+    rng_state: bytes = b""
 
 
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):
@@ -227,6 +239,26 @@ class Yielded(msgspec.Struct, tag=True, frozen=True):
     request_ids: list[str]
 
 
+class Migrating(msgspec.Struct, tag=True, frozen=True):
+    """Live migration started: these requests are moving from ``instance_id`` to ``target``."""
+
+    instance_id: str
+    target: str
+    request_ids: list[str]
+
+
+class MigrationDone(msgspec.Struct, tag=True, frozen=True):
+    """A ``Migrate`` finished: ``moved`` decode at their targets now, ``returned`` stayed (refused or failed);
+    ``seconds``: from the ``Migrate`` to the last answer; ``bytes``: KV copied."""
+
+    instance_id: str
+    moved: list[str]
+    returned: list[str]
+    seconds: float
+    num_bytes: int
+    reason: str = ""
+
+
 class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
     instance_id: str
     role: str
@@ -235,9 +267,10 @@ class RoleSwitched(msgspec.Struct, tag=True, frozen=True):
 
 
 Message = (
-    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Retire | Yield | Handoff | PrefillDone
-    | KVReady | KVDone | Hello
-    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | Retired | Yielded | PredictorStat
+    NewRequest | Abort | PeerTable | DecodeLoads | SetRole | Shutdown | Retire | Yield | Migrate | Handoff
+    | PrefillDone | KVReady | KVDone | Hello
+    | Tokens | Dispatched | TransferStat | WireLoad | RoleSwitched | Retired | Yielded | Migrating | MigrationDone
+    | PredictorStat
 )
 
 _encoder = msgspec.msgpack.Encoder()

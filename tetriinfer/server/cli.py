@@ -100,6 +100,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--rebalance-min-queued", type=int, default=2,
                        help="queued requests an instance needs before it gives any away")
     scale.add_argument("--rebalance-max-move", type=int, default=16, help="most requests one move hands over")
+    scale.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=False,
+                       help="live-migrate running decodes with their KV (disaggregated modes): a decode instance "
+                            "being removed or flipped hands them to its peers instead of waiting for them to "
+                            "finish, and an overloaded one sheds some to the least loaded (core.migration)")
+    scale.add_argument("--migrate-signal", default="kv", choices=["kv", "running"],
+                       help="what balancing evens out: KV usage (above --migrate-high sheds to one below "
+                            "--migrate-low) or running requests (a gap of --migrate-min-gap or more)")
+    scale.add_argument("--migrate-high", type=float, default=0.85)
+    scale.add_argument("--migrate-low", type=float, default=0.6)
+    scale.add_argument("--migrate-min-gap", type=int, default=4)
+    scale.add_argument("--migrate-max-per-move", type=int, default=8,
+                       help="most running requests one balancing move hands over")
     scale.add_argument("--autoscale-decode-load", default="inflation", choices=["busy", "kv", "inflation"],
                        help="how a decode instance's load is judged (see --flip-decode-load)")
     p.add_argument("--instance-host", default="127.0.0.1",
@@ -142,7 +154,9 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         autoscale_cooldown_s=args.autoscale_cooldown, autoscale_max_instances=args.autoscale_max_instances,
         autoscale_decode_load=args.autoscale_decode_load, autoscale_max_step=args.autoscale_max_step,
         instance_host=args.instance_host, warm_spares=args.warm_spares, rebalance=args.rebalance, rebalance_min_queued=args.rebalance_min_queued,
-        rebalance_max_move=args.rebalance_max_move,
+        rebalance_max_move=args.rebalance_max_move, migrate=args.migrate, migrate_signal=args.migrate_signal,
+        migrate_high=args.migrate_high, migrate_low=args.migrate_low, migrate_min_gap=args.migrate_min_gap,
+        migrate_max_per_move=args.migrate_max_per_move,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )
 

@@ -96,6 +96,9 @@ class ServerMetrics:
                                ["role"], namespace=ns, registry=r)
         self.migrated = Gauge("requests_migrated", "Requests moved unstarted to another instance since start "
                               "(--rebalance).", namespace=ns, registry=r)
+        self.live_migrated = Gauge("requests_live_migrated", "Running decodes moved with their KV to another "
+                                   "decode instance since start, by reason (evacuate, balance; --migrate).",
+                                   ["reason"], namespace=ns, registry=r)
         self.predictor_seconds = Histogram(
             "length_predictor_seconds", "Latency of one output-length prediction at a prefill instance.",
             namespace=ns, registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
@@ -159,6 +162,9 @@ class ServerMetrics:
             for role, count in collections.Counter(str(i.get("role", "unknown")) for i in instances).items():
                 self.pool_size.labels(role=role).set(count)
             self.migrated.set(float((info.get("rebalance") or {}).get("migrated", 0)))
+            self.live_migrated.clear()
+            for reason, count in ((info.get("migration") or {}).get("moved_by_reason") or {}).items():
+                self.live_migrated.labels(reason=str(reason)).set(float(count))
             for inst in instances:
                 labels = {"instance": str(inst.get("id", "?")), "role": str(inst.get("role", "unknown"))}
                 for key, gauge in self._instance_gauges.items():

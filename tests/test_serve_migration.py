@@ -1,0 +1,89 @@
+"""Live migration of running decodes on a real server (--migrate): a decode instance being removed hands its
+running requests to its peer with their KV, and an overloaded one sheds some to an idle peer.
+
+What a client gets must not change: every request completes with its exact length and the same tokens it gets
+without any migration (greedy, and seeded sampling: the sampler's state moves with the request).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from tests.serve_helpers import ServeProcess
+
+MAX_TOKENS = 160
+
+
+def _body(model: str, i: int, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": model, "prompt": "move me along " * (3 + 4 * (i % 4)), "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0}
+    if i % 3 == 2:  # seeded sampling: its generator state must travel with it
+        body.update(temperature=1.0, top_p=0.9, seed=100 + i)
+    return body
+
+
+def _complete(base_url: str, body: dict) -> tuple[int, int, str]:
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=300)
+    if r.status_code != 200:
+        return r.status_code, -1, r.text
+    return 200, r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["text"]
+
+
+def _wait_decoding(srv: ServeProcess, instance: str, at_least: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = {i["id"]: i for i in srv.cluster()["instances"]}
+        if info[instance]["running"] >= at_least:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{instance} never ran {at_least} requests at once")
+
+
+def test_removing_a_decode_instance_migrates_its_running_requests(tiny_llama: Path) -> None:
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
+                       "--kv-backend", "tcp", "--migrate")
+    try:
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        bodies = [_body(model, i) for i in range(8)]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futures = [pool.submit(_complete, srv.base_url, b) for b in bodies]
+            _wait_decoding(srv, "decode-0", 2)
+            removed = httpx.delete(f"{srv.base_url}/cluster/instances/decode-0", timeout=300)
+            assert removed.status_code == 200, removed.text
+            results = [f.result() for f in futures]
+        assert [(c, n) for c, n, _ in results] == [(200, MAX_TOKENS)] * 8, results
+        mig = srv.cluster()["migration"]
+        assert mig["moved_by_reason"].get("evacuate", 0) >= 2 and mig["bytes"] > 0, mig
+        assert {i["id"] for i in srv.cluster()["instances"]} == {"prefill-0", "decode-1"}
+        # the same requests again, nothing migrates now (one decode instance): the same tokens
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            again = list(pool.map(lambda b: _complete(srv.base_url, b), bodies))
+        assert [t for _, _, t in again] == [t for _, _, t in results]
+        assert srv.cluster()["migration"]["moved"] == mig["moved"]
+    finally:
+        srv.stop()
+
+
+def test_an_overloaded_decode_instance_sheds_running_requests_to_an_idle_peer(tiny_llama: Path) -> None:
+    # `imbalanced` dispatch without a predictor sends every (light) decode to decode-1: only migration helps decode-0
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
+                       "--kv-backend", "tcp", "--dispatch-policy", "imbalanced", "--migrate",
+                       "--migrate-signal", "running", "--migrate-min-gap", "2")
+    try:
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        bodies = [_body(model, i, 240) for i in range(8)]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(lambda b: _complete(srv.base_url, b), bodies))
+        assert [(c, n) for c, n, _ in results] == [(200, 240)] * 8, results
+        cluster = srv.cluster()
+        mig = cluster["migration"]
+        assert mig["moved_by_reason"].get("balance", 0) >= 1, mig
+        steps = {i["id"]: i["steps"] for i in cluster["instances"]}
+        assert steps["decode-0"] > 0, steps
+        assert mig["pending"] == [] and cluster["requests_in_flight"] == 0
+    finally:
+        srv.stop()
