@@ -87,3 +87,31 @@ def test_an_overloaded_decode_instance_sheds_running_requests_to_an_idle_peer(ti
         assert mig["pending"] == [] and cluster["requests_in_flight"] == 0
     finally:
         srv.stop()
+
+
+def test_migrations_over_a_faulty_link_lose_nothing_and_free_every_block(tiny_llama: Path) -> None:
+    # failed or corrupted migrant transfers are retried by the target, then the request goes back into its
+    # source's batch; prefill -> decode transfers fail too (re-dispatched, or a clean error after the last try)
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
+                       "--dispatch-policy", "imbalanced", "--migrate", "--migrate-signal", "running",
+                       "--migrate-min-gap", "2", "--kv-backend", "faulty:tcp", "--fault-drop-p", "0.3",
+                       "--fault-corrupt-p", "0.2", "--transfer-timeout", "1.0")
+    try:
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            results = list(pool.map(lambda i: _complete(srv.base_url, _body(model, i, 200)), range(12)))
+        completed = [n for code, n, _ in results if code == 200]
+        failed = [text for code, _, text in results if code != 200]
+        assert completed and all(n == 200 for n in completed), results
+        assert all("KV transfer failed" in text for text in failed), failed
+        info = srv.cluster()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(i["kv_blocks_used"] for i in info["instances"]):
+            time.sleep(0.3)
+            info = srv.cluster()
+        assert all(i["kv_blocks_used"] == 0 for i in info["instances"]), info
+        mig = info["migration"]
+        assert mig["moves"] >= 1 and mig["moved"] + mig["returned"] >= 1 and mig["pending"] == [], mig
+        assert info["transfers"]["failed"] > 0 and info["requests_in_flight"] == 0
+    finally:
+        srv.stop()
