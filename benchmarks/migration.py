@@ -1,9 +1,9 @@
 """Live migration of running decodes (`--migrate`) vs none, same run, same server settings.
 
-Two experiments on `tetriinfer serve --mode tetriinfer --prefill-instances 1 --decode-instances 2 --kv-backend tcp`,
-each run once without and once with `--migrate`:
+Three experiments, each run once without and once with `--migrate` (`--kv-backend tcp`):
 
-- **scale-in**: `--requests` long decodes (`--max-tokens`, `ignore_eos`) are sent at once; as soon as decode-0
+- **scale-in** (`--mode tetriinfer`, 1 prefill + 2 decode instances; and the same with `--mode colocated
+  --instances 2`, removing instance-1): `--requests` long decodes (`--max-tokens`, `ignore_eos`) are sent at once; as soon as decode-0
   runs at least 2 of them it is removed (`DELETE /cluster/instances/decode-0`). Reported: the removal's time
   (the server's `total_s`: mark retiring -> drained -> exited; and `drain_s`, Retire -> empty), and the requests'
   mean TTFT / TPOT / JCT. Without migration the removal waits for decode-0's longest decode; with it, decode-0's
@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 from tetriinfer.bench.report import publish_markdown
 from tetriinfer.bench.side_by_side import serve, served_model_id
 
-BASE = ["--prefill-instances", "1", "--decode-instances", "2", "--kv-backend", "tcp", "--kv-cache-memory-gb", "0.25"]
+BASE = ["--kv-backend", "tcp", "--kv-cache-memory-gb", "0.25"]
+DISAGG = ["--prefill-instances", "1", "--decode-instances", "2"]
 
 
 def stream_one(base_url: str, model: str, i: int, max_tokens: int) -> dict[str, float]:
@@ -66,15 +67,15 @@ def decode_running(base_url: str, instance: str) -> int:
     return 0
 
 
-def scale_in(base_url: str, model: str, n: int, max_tokens: int) -> dict[str, Any]:
+def scale_in(base_url: str, model: str, n: int, max_tokens: int, victim: str = "decode-0") -> dict[str, Any]:
     removal: dict[str, Any] = {}
 
     def remove_when_busy() -> None:
         deadline = time.monotonic() + 120
-        while decode_running(base_url, "decode-0") < 2 and time.monotonic() < deadline:
+        while decode_running(base_url, victim) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         t0 = time.perf_counter()
-        r = httpx.delete(f"{base_url}/cluster/instances/decode-0", timeout=900)
+        r = httpx.delete(f"{base_url}/cluster/instances/{victim}", timeout=900)
         r.raise_for_status()
         removal.update(r.json(), call_s=time.perf_counter() - t0)
 
@@ -117,13 +118,16 @@ def main() -> int:
         args.model = str(default_model_path())
     runs: dict[tuple[str, str], dict[str, Any]] = {}
     experiments = {
-        "scale-in": ([], scale_in),
-        "imbalance": (["--dispatch-policy", "imbalanced", "--num-kv-blocks", str(args.kv_blocks)], imbalance),
+        "scale-in": ("tetriinfer", DISAGG, scale_in),
+        "colocated-scale-in": ("colocated", ["--instances", "2"],
+                               lambda *a: scale_in(*a, victim="instance-1")),
+        "imbalance": ("tetriinfer", [*DISAGG, "--dispatch-policy", "imbalanced", "--num-kv-blocks",
+                                     str(args.kv_blocks)], imbalance),
     }
     bar = tqdm(total=2 * len(experiments), desc="migration")
-    for name, (extra, fn) in experiments.items():
+    for name, (mode, extra, fn) in experiments.items():
         for label, flag in (("none", "--no-migrate"), ("migrate", "--migrate")):
-            with serve(args.model, "tetriinfer", [*BASE, *extra, flag], startup_timeout_s=600, poll_s=0.1) as url:
+            with serve(args.model, mode, [*BASE, *extra, flag], startup_timeout_s=600, poll_s=0.1) as url:
                 runs[(name, label)] = fn(url, served_model_id(url), args.requests, args.max_tokens)
             bar.update(1)
     bar.close()
@@ -133,28 +137,35 @@ def main() -> int:
 
     lines = [
         "# Live migration of running decodes (`--migrate`)", "",
-        f"- Model `{args.model}`; `tetriinfer serve --mode tetriinfer {' '.join(BASE)}`; {args.requests} streamed "
+        f"- Model `{args.model}`; `tetriinfer serve {' '.join(BASE)}` with `--mode tetriinfer {' '.join(DISAGG)}` "
+        f"or `--mode colocated --instances 2`; {args.requests} streamed "
         f"requests of {args.max_tokens} output tokens (`ignore_eos`, greedy), sent at once; each experiment once "
         "with `--no-migrate` and once with `--migrate`, one after the other in the same run.",
         "- Command: `python benchmarks/migration.py" + (f" --requests {args.requests}" if args.requests != 8 else "")
         + (f" --max-tokens {args.max_tokens}" if args.max_tokens != 512 else "") + "`.", "",
-        "## Scale-in: remove decode-0 while it decodes", "",
-        "| | removal total_s | drain_s (Retire -> empty) | moved (evacuate) | mean TTFT | mean TPOT | mean JCT |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for label in ("none", "migrate"):
-        r = runs[("scale-in", label)]
-        rem, mig = r["removal"], r["migration"]
-        lines.append(f"| {label} | {rem.get('total_s', float('nan')):.2f} s | {rem.get('drain_s') or 0:.2f} s | "
-                     f"{(mig.get('moved_by_reason') or {}).get('evacuate', 0)} | {mean(r, 'ttft_s') * 1e3:.0f} ms | "
-                     f"{mean(r, 'tpot_s') * 1e3:.1f} ms | {mean(r, 'jct_s'):.2f} s |")
-    a, b = runs[("scale-in", "migrate")], runs[("scale-in", "none")]
-    lines.append(f"| **migrate / none** | **{ratio(a['removal']['total_s'], b['removal']['total_s'])}** | "
-                 f"{ratio(a['removal'].get('drain_s') or 0, b['removal'].get('drain_s') or 0)} | | "
-                 f"{ratio(mean(a, 'ttft_s'), mean(b, 'ttft_s'))} | {ratio(mean(a, 'tpot_s'), mean(b, 'tpot_s'))} | "
-                 f"{ratio(mean(a, 'jct_s'), mean(b, 'jct_s'))} |")
+    for name, title in (("scale-in", "Scale-in: remove decode-0 (of 1 prefill + 2 decode) while it decodes"),
+                        ("colocated-scale-in", "Scale-in, colocated: remove instance-1 (of 2, `--mode colocated`) "
+                                               "while it decodes")):
+        lines += [
+            f"## {title}", "",
+            "| | removal total_s | drain_s (Retire -> empty) | moved (evacuate) | mean TTFT | mean TPOT | mean JCT |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for label in ("none", "migrate"):
+            r = runs[(name, label)]
+            rem, mig = r["removal"], r["migration"]
+            lines.append(f"| {label} | {rem.get('total_s', float('nan')):.2f} s | {rem.get('drain_s') or 0:.2f} s | "
+                         f"{(mig.get('moved_by_reason') or {}).get('evacuate', 0)} | "
+                         f"{mean(r, 'ttft_s') * 1e3:.0f} ms | {mean(r, 'tpot_s') * 1e3:.1f} ms | "
+                         f"{mean(r, 'jct_s'):.2f} s |")
+        a, b = runs[(name, "migrate")], runs[(name, "none")]
+        lines += [f"| **migrate / none** | **{ratio(a['removal']['total_s'], b['removal']['total_s'])}** | "
+                  f"{ratio(a['removal'].get('drain_s') or 0, b['removal'].get('drain_s') or 0)} | | "
+                  f"{ratio(mean(a, 'ttft_s'), mean(b, 'ttft_s'))} | {ratio(mean(a, 'tpot_s'), mean(b, 'tpot_s'))} | "
+                  f"{ratio(mean(a, 'jct_s'), mean(b, 'jct_s'))} |", ""]
     lines += [
-        "", "## Imbalance: every decode dispatched to decode-1 (`--dispatch-policy imbalanced`)", "",
+        "## Imbalance: every decode dispatched to decode-1 (`--dispatch-policy imbalanced`)", "",
         f"`--num-kv-blocks {args.kv_blocks}` (block size 16) per instance.", "",
         "| | moved (balance) | decode-0 steps | decode-1 steps | mean TTFT | mean TPOT | mean JCT |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -250,3 +250,44 @@ def test_migrating_between_two_schedulers_ends_every_request_once_and_conserves_
         run(b)
     assert sorted(ended) == sorted(admitted)  # each exactly once
     assert a.kv.num_used_blocks == b.kv.num_used_blocks == 0
+
+
+# ---- colocated schedulers (both sides) -------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["vllm", "sarathi"])
+def test_colocated_schedulers_hand_over_and_take_in_running_decodes(policy: str) -> None:
+    from tetriinfer.core.colocated_scheduler import ColocatedSchedulerConfig, make_colocated_scheduler
+
+    cfg = ColocatedSchedulerConfig(max_num_batched_tokens=64, max_num_seqs=3, max_model_len=512)
+    src, dst = (make_colocated_scheduler(policy, cfg, KVCacheManager(30, 4)) for _ in range(2))
+    for i in range(3):
+        src.add_request(Request(f"r{i}", [2] * (5 + i), SamplingParams(max_tokens=20)))
+    for _ in range(3):
+        _step(src)
+    assert len(src.running) == 3
+    [req] = pick_migrants(src.running, 1)
+    src.detach(req.request_id)
+    src.add_request(Request("late", [2] * 4, SamplingParams(max_tokens=4)))
+    _step(src)
+    assert "late" not in [r.request_id for r in src.running]  # the leaving request keeps its seat
+    copy = decoding(req.request_id, req.num_prompt_tokens, 20, req.num_output_tokens)
+    assert dst.admit_migrant(copy)
+    assert dst.kv.num_blocks_of(req.request_id) == dst.kv.pool.blocks_for_tokens(copy.num_tokens)
+    assert _step(dst) == []  # nothing runs before its KV is in
+    dst.on_kv_received(req.request_id)
+    src.release_migrated(req.request_id)
+    assert _step(dst) == [req.request_id]
+    for s in (src, dst):
+        s.check_invariants()
+        assert s.kv.num_free_blocks + s.kv.num_used_blocks == s.kv.num_blocks
+    # refusals: no seat, a context over the model, a duplicate; a failed receive frees its blocks
+    full = make_colocated_scheduler(policy, ColocatedSchedulerConfig(max_num_seqs=1, max_model_len=512),
+                                    KVCacheManager(30, 4))
+    assert full.admit_migrant(decoding("x", 8))
+    assert not full.admit_migrant(decoding("y", 8))
+    with pytest.raises(ValueError):
+        full.admit_migrant(decoding("x", 8))
+    with pytest.raises(ValueError, match="fills the model context"):
+        full.admit_migrant(decoding("z", 600))
+    full.migrant_failed("x")
+    assert full.kv.num_used_blocks == 0 and not full.has_unfinished()
+    assert not make_colocated_scheduler(policy, cfg, KVCacheManager(2, 4)).admit_migrant(decoding("big", 20))

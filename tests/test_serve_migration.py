@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.serve_helpers import ServeProcess
 
@@ -43,27 +44,47 @@ def _wait_decoding(srv: ServeProcess, instance: str, at_least: int, timeout_s: f
     raise AssertionError(f"{instance} never ran {at_least} requests at once")
 
 
-def test_removing_a_decode_instance_migrates_its_running_requests(tiny_llama: Path) -> None:
-    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
-                       "--kv-backend", "tcp", "--migrate")
+def _assert_blocks_freed(srv: ServeProcess) -> dict:
+    """Every instance reports no KV block in use within a few report intervals; returns the last /cluster."""
+    deadline = time.monotonic() + 20
+    info = srv.cluster()
+    while time.monotonic() < deadline and any(i["kv_blocks_used"] for i in info["instances"]):
+        time.sleep(0.3)
+        info = srv.cluster()
+    assert all(i["kv_blocks_used"] == 0 for i in info["instances"]), info
+    return info
+
+
+SCALE_IN = {  # serve arguments, the instance removed, the instances left
+    "disaggregated": (["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2"], "decode-0",
+                      {"prefill-0", "decode-1"}),
+    "colocated": (["--mode", "colocated", "--instances", "2"], "instance-1", {"instance-0"}),
+}
+
+
+@pytest.mark.parametrize("layout", list(SCALE_IN))
+def test_removing_an_instance_migrates_its_running_requests(tiny_llama: Path, layout: str) -> None:
+    args, victim, left = SCALE_IN[layout]
+    srv = ServeProcess(tiny_llama, *args, "--kv-backend", "tcp", "--migrate")
     try:
         model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
         bodies = [_body(model, i) for i in range(8)]
         with ThreadPoolExecutor(max_workers=8) as pool:
             futures = [pool.submit(_complete, srv.base_url, b) for b in bodies]
-            _wait_decoding(srv, "decode-0", 2)
-            removed = httpx.delete(f"{srv.base_url}/cluster/instances/decode-0", timeout=300)
+            _wait_decoding(srv, victim, 2)
+            removed = httpx.delete(f"{srv.base_url}/cluster/instances/{victim}", timeout=300)
             assert removed.status_code == 200, removed.text
             results = [f.result() for f in futures]
         assert [(c, n) for c, n, _ in results] == [(200, MAX_TOKENS)] * 8, results
         mig = srv.cluster()["migration"]
         assert mig["moved_by_reason"].get("evacuate", 0) >= 2 and mig["bytes"] > 0, mig
-        assert {i["id"] for i in srv.cluster()["instances"]} == {"prefill-0", "decode-1"}
-        # the same requests again, nothing migrates now (one decode instance): the same tokens
+        assert {i["id"] for i in srv.cluster()["instances"]} == left
+        # the same requests again, nothing migrates now (one instance decodes): the same tokens
         with ThreadPoolExecutor(max_workers=8) as pool:
             again = list(pool.map(lambda b: _complete(srv.base_url, b), bodies))
         assert [t for _, _, t in again] == [t for _, _, t in results]
         assert srv.cluster()["migration"]["moved"] == mig["moved"]
+        _assert_blocks_freed(srv)
     finally:
         srv.stop()
 
@@ -104,12 +125,7 @@ def test_migrations_over_a_faulty_link_lose_nothing_and_free_every_block(tiny_ll
         failed = [text for code, _, text in results if code != 200]
         assert completed and all(n == 200 for n in completed), results
         assert all("KV transfer failed" in text for text in failed), failed
-        info = srv.cluster()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(i["kv_blocks_used"] for i in info["instances"]):
-            time.sleep(0.3)
-            info = srv.cluster()
-        assert all(i["kv_blocks_used"] == 0 for i in info["instances"]), info
+        info = _assert_blocks_freed(srv)
         mig = info["migration"]
         assert mig["moves"] >= 1 and mig["moved"] + mig["returned"] >= 1 and mig["pending"] == [], mig
         assert info["transfers"]["failed"] > 0 and info["requests_in_flight"] == 0

@@ -11,6 +11,10 @@ PREEMPTED by recompute (blocks freed, re-prefilled later as prompt + outputs, ah
   running request (oldest first, within the budget), then fills the rest of the token budget with
   chunks of waiting prompts in arrival order (unpadded). Kind MIXED when both are present.
 
+Live migration (``core.migration``): as a source, ``detach`` / ``reattach`` / ``release_migrated``
+(``Detachable``); as a target, ``admit_migrant`` (a decoding request from another instance: blocks for its
+context allocated now, or refused) -> ``on_kv_received`` (it runs from the next step) | ``migrant_failed``.
+
 Invariants: never allocates beyond the pool; running <= ``max_num_seqs``; when a decode needs a block
 and none is free, a partially prefilled waiting request gives its blocks back first, then the youngest
 running request is preempted; the oldest running request progresses unless it alone exceeds the pool
@@ -28,6 +32,7 @@ from tetriinfer.core.chunking import build_chunk
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment
+from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
@@ -48,14 +53,16 @@ class ColocatedSchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
-class _ColocatedBase:
-    """Queues, finishing, preemption and result handling shared by both colocated policies."""
+class _ColocatedBase(Detachable):
+    """Queues, finishing, preemption, migration and result handling shared by both colocated policies."""
 
     def __init__(self, config: ColocatedSchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: index 0 is the oldest
+        self.migrating: dict[str, Request] = {}  # leaving (live migration): blocks held, not scheduled
+        self.arriving: dict[str, Request] = {}  # migrated here: blocks allocated, KV on its way
         self._table = RequestTable(kv, forget=self._forget)
         self._step_id = 0
         self._ended_in_schedule: list[Request] = []  # reported by the next ``update``
@@ -81,7 +88,47 @@ class _ColocatedBase:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._table)
+
+    def admit_migrant(self, req: Request) -> bool:
+        """A running decode moving here (first token sampled, all but the last token computed): allocate blocks
+        for its context now and hold it until its KV is in. False: no seat or no free blocks (it stays at its
+        source). ValueError: malformed, already here, or it can never run here."""
+        rid = req.request_id
+        self._table.require_new(rid)
+        if req.is_finished or not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            raise ValueError(f"migrant {rid!r} must be decoding (first token sampled, context computed)")
+        if req.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"migrant {rid!r} ({req.num_tokens} tokens) fills the model context already")
+        if self._seats_taken() >= self.config.max_num_seqs:
+            return False
+        if self.kv.pool.blocks_for_tokens(req.num_tokens) > self.kv.num_free_blocks:
+            return False
+        ok = self.kv.allocate_slots(rid, req.num_tokens)
+        assert ok, "free blocks were checked"
+        req.status = RequestStatus.WAITING
+        self.arriving[rid] = req
+        self._table.add(req)
+        return True
+
+    def _seats_taken(self) -> int:
+        """Running requests plus those that hold a seat while moving (leaving: may come back; arriving)."""
+        return len(self.running) + len(self.migrating) + len(self.arriving)
+
+    def on_kv_received(self, request_id: str) -> None:
+        """The migrant's KV is in its blocks: it decodes from the next step (as the youngest)."""
+        req = self.arriving.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not arriving at this instance")
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def migrant_failed(self, request_id: str) -> None:
+        """Its KV never came: free its blocks; it leaves unfinished (it decodes on at its source)."""
+        if self.arriving.pop(request_id, None) is None:
+            raise KeyError(f"request {request_id!r} is not arriving at this instance")
+        self.kv.free_request(request_id)
+        self._table.remove(request_id)
 
     def take_unstarted(self, limit: int) -> list[Request]:
         """Hand up to ``limit`` waiting requests with no progress here (newest first) to the caller, to run on
@@ -96,6 +143,8 @@ class _ColocatedBase:
 
     def _forget(self, req: Request) -> None:
         """``RequestTable`` hook: take a finishing request out of the queues."""
+        self.migrating.pop(req.request_id, None)
+        self.arriving.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -190,11 +239,12 @@ class _ColocatedBase:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        if len(self.running) > self.config.max_num_seqs:
-            raise AssertionError("more than max_num_seqs running")
-        ids = [r.request_id for r in self.waiting] + [r.request_id for r in self.running]
+        if self._seats_taken() > self.config.max_num_seqs:
+            raise AssertionError("more than max_num_seqs running, leaving or arriving")
+        ids = ([r.request_id for r in self.waiting] + [r.request_id for r in self.running] + list(self.migrating)
+               + list(self.arriving))
         if len(ids) != len(set(ids)) or set(ids) != set(self._table):
-            raise AssertionError("requests table disagrees with waiting + running")
+            raise AssertionError("requests table disagrees with waiting + running + migrating + arriving")
 
 
 class VLLMScheduler(_ColocatedBase):
@@ -204,7 +254,7 @@ class VLLMScheduler(_ColocatedBase):
         batch: list[Request] = []
         tokens = 0
         for req in self.waiting:
-            if len(self.running) + len(batch) >= cfg.max_num_seqs:
+            if self._seats_taken() + len(batch) >= cfg.max_num_seqs:
                 break
             n = req.num_uncomputed_tokens
             if batch and tokens + n > cfg.max_num_batched_tokens:
@@ -228,7 +278,7 @@ class SarathiScheduler(_ColocatedBase):
         scheduled, preempted = self._decode_running(cfg.max_num_batched_tokens)
         segments = self._segments(scheduled)
         budget = cfg.max_num_batched_tokens - len(scheduled)
-        slots = cfg.max_num_seqs - len(self.running)
+        slots = cfg.max_num_seqs - self._seats_taken()
         n_prefill = 0
         if budget > 0 and slots > 0 and self.waiting:
             candidates = [(r.request_id, r.num_computed_tokens, r.num_uncomputed_tokens) for r in self.waiting]

@@ -30,9 +30,8 @@ youngest running request is preempted: ``recompute`` frees its blocks and later 
 outputs here as one prefill segment; ``swap`` frees its blocks after the executor copies them to host
 memory (``SchedulerOutput.swapped_out``) and copies them back on resume (``swapped_in``).
 
-Live migration (``core.migration``): ``detach`` takes a running decode out of the batch between steps, its
-blocks still held, while its KV is copied to another instance; ``release_migrated`` then frees them (the
-request leaves unfinished: it goes on elsewhere), ``reattach`` puts it back into the batch (the move failed).
+Live migration (``core.migration.Detachable``): ``detach`` / ``reattach`` / ``release_migrated`` move a running
+decode out (the target side is ``reserve`` + ``on_kv_received``, like any dispatched request).
 
 Invariants: never more blocks than the pool (allocation is all-or-nothing); running + reserved <=
 ``max_num_seqs``; the oldest running request always progresses or is the last holder and its context
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import DEFAULT_HEAVY_DECODE_TOKENS, InstanceState, LoadReport, Role, is_heavy_decode
 from tetriinfer.core.local_scheduler import _segment
+from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
@@ -108,7 +108,7 @@ class DecodeStepUpdate:
     finished: tuple[Request, ...]
 
 
-class DecodeScheduler:
+class DecodeScheduler(Detachable):
     def __init__(self, config: DecodeSchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
@@ -229,7 +229,7 @@ class DecodeScheduler:
     def _allocate(self, req: Request, now_blocks: int) -> bool:
         """The admission decision shared by ``reserve`` and ``admit_local``: on yes, the request's blocks are
         allocated and its reservation target recorded (the caller files it in a queue)."""
-        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs or self.suspended:
+        if len(self.running) + len(self.reserved) + len(self.migrating) >= self.config.max_num_seqs or self.suspended:
             return False
         free = self.kv.num_free_blocks
         if now_blocks > free:
@@ -276,35 +276,15 @@ class DecodeScheduler:
     def block_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)
 
-    # ---- live migration ------------------------------------------------------------------
-    def detach(self, request_id: str) -> Request:
-        """Take a running decode (first token sampled, all but its last token computed) out of the batch for
-        live migration; it keeps its blocks and target. KeyError: not running here; ValueError: not decoding."""
-        req = next((r for r in self.running if r.request_id == request_id), None)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not running at this instance")
-        if not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
-            raise ValueError(f"request {request_id!r} is not decoding (prefill unfinished or mid-step)")
-        self.running.remove(req)
-        self.migrating[request_id] = req
-        return req
+    def admit_migrant(self, req: Request) -> bool:
+        """Live migration target: a running decode from another instance is admitted like any handoff."""
+        return self.reserve(req)
 
-    def reattach(self, request_id: str) -> None:
-        """The migration failed: the request decodes here again from the next step (as the youngest)."""
-        req = self.migrating.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not migrating from this instance")
-        self.running.append(req)
+    def migrant_failed(self, request_id: str) -> None:
+        self.transfer_failed(request_id)
 
-    def release_migrated(self, request_id: str) -> Request:
-        """The migration succeeded: free the request's blocks; it leaves unfinished (not reported here)."""
-        req = self.migrating.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not migrating from this instance")
-        self.kv.free_request(request_id)
+    def _released(self, request_id: str) -> None:  # Detachable: a migrated request's reservation goes with it
         del self._target[request_id]
-        self._table.remove(request_id)
-        return req
 
     def has_unfinished(self) -> bool:
         return bool(self._table)
@@ -395,7 +375,7 @@ class DecodeScheduler:
         budget allow. Returns the ids resumed in this step -> whether each was swapped."""
         resumed: dict[str, bool] = {}
         budget = self.config.max_recompute_tokens
-        while self.suspended and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
+        while self.suspended and len(self.running) + len(self.reserved) + len(self.migrating) < self.config.max_num_seqs:
             req = self.suspended[0]
             rid = req.request_id
             need = self.kv.pool.blocks_for_tokens(req.num_tokens)
@@ -494,8 +474,8 @@ class DecodeScheduler:
         groups = [set(self.reserved), set(ids_run), set(ids_sus), set(self.migrating)]
         if sum(len(g) for g in groups) != len(self._table) or set().union(*groups) != set(self._table):
             raise AssertionError("requests table disagrees with reserved + running + suspended + migrating")
-        if len(self.running) + len(self.reserved) > self.config.max_num_seqs:
-            raise AssertionError("more than max_num_seqs requests running or reserved")
+        if len(self.running) + len(self.reserved) + len(self.migrating) > self.config.max_num_seqs:
+            raise AssertionError("more than max_num_seqs requests running, reserved or leaving")
         for rid in ids_sus:
             if self.kv.num_blocks_of(rid):
                 raise AssertionError(f"suspended request {rid} holds blocks")

@@ -15,7 +15,8 @@ from the next output index. Only when the target confirms does the source free t
 transfer puts the request back into the source's batch. The client sees one stream: tokens carry their output
 index, and no token is produced twice or skipped.
 
-Rule (``MigrationPlanner.plan``), on every monitor round, among decode instances (``roles``):
+Rule (``MigrationPlanner.plan``), on every monitor round, within each tier (``roles``: decode instances among
+themselves, colocated instances among themselves):
 - **evacuate**: each instance in ``evacuate`` (retiring or flipping) with running requests spreads all of them
   over the ACTIVE, non-evacuating decode instances, most free blocks first, charging each target the source's
   mean blocks per request and never filling one beyond ``high``;
@@ -27,7 +28,7 @@ Rule (``MigrationPlanner.plan``), on every monitor round, among decode instances
 A source has one move in flight at a time (``done(source)`` when its instance reports the move finished;
 ``forget(instance)`` when it leaves); a target is charged within a round, so two sources never herd onto it.
 
-Invariants: never a move from or to a non-decode instance, from an instance to itself, or to an evacuating or
+Invariants: never a move across tiers or from or to a prefill instance, from an instance to itself, or to an evacuating or
 non-ACTIVE one; ``1 <= count`` (and ``<= max_per_move`` when balancing); a source with a move in flight is never
 asked again. Pure: no clock, no I/O; deterministic.
 """
@@ -38,10 +39,12 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import Request
+from tetriinfer.core.request_table import RequestTable
 
-MIGRATION_ROLES = ("decode",)
+MIGRATION_ROLES = ("decode", "colocated")  # each its own tier: decode among decode, colocated among colocated
 SIGNALS = ("kv", "running")
 
 
@@ -92,6 +95,48 @@ def pick_migrants(running: Sequence[Request], count: int) -> list[Request]:
     return eligible[: max(0, count)]
 
 
+class Detachable:
+    """The source side of a migration, for a scheduler with ``running`` (list), ``migrating`` (dict), ``kv`` and
+    ``_table``: ``detach`` takes a running decode out of the batch between steps, its blocks still held, while its
+    KV is copied elsewhere; ``release_migrated`` then frees them (the request leaves unfinished: it goes on
+    elsewhere, nothing is reported here); ``reattach`` puts it back into the batch (the move failed)."""
+
+    running: list[Request]
+    migrating: dict[str, Request]
+    kv: KVCacheManager
+    _table: RequestTable
+
+    def detach(self, request_id: str) -> Request:
+        """KeyError: not running here; ValueError: not decoding (prefill unfinished or mid-step)."""
+        req = next((r for r in self.running if r.request_id == request_id), None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not running at this instance")
+        if not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is not decoding (prefill unfinished or mid-step)")
+        self.running.remove(req)
+        self.migrating[request_id] = req
+        return req
+
+    def reattach(self, request_id: str) -> None:
+        """The request decodes here again from the next step (as the youngest)."""
+        req = self.migrating.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not migrating from this instance")
+        self.running.append(req)
+
+    def release_migrated(self, request_id: str) -> Request:
+        req = self.migrating.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not migrating from this instance")
+        self.kv.free_request(request_id)
+        self._table.remove(request_id)
+        self._released(request_id)
+        return req
+
+    def _released(self, request_id: str) -> None:
+        """Hook: per-request state the scheduler drops when a request has left."""
+
+
 @dataclass
 class _Room:
     """A target's projected state within one planning round."""
@@ -117,8 +162,13 @@ class MigrationPlanner:
         """``roles``: instance id -> role of every pool member; ``evacuate``: instances that must empty."""
         if not self.config.enabled:
             return []
-        tier = sorted((r for r in reports if roles.get(r.instance_id) in MIGRATION_ROLES),
-                      key=lambda r: r.instance_id)
+        moves: list[MigrateCommand] = []
+        for role in MIGRATION_ROLES:
+            tier = sorted((r for r in reports if roles.get(r.instance_id) == role), key=lambda r: r.instance_id)
+            moves.extend(self._plan_tier(tier, evacuate))
+        return moves
+
+    def _plan_tier(self, tier: list[LoadReport], evacuate: Collection[str]) -> list[MigrateCommand]:
         rooms = {r.instance_id: _Room(r, r.num_used_blocks, r.num_running) for r in tier
                  if r.state is InstanceState.ACTIVE and r.instance_id not in evacuate and r.num_blocks}
         moves: list[MigrateCommand] = []

@@ -29,7 +29,7 @@ import zmq.asyncio
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.load import LoadReport, Role
-from tetriinfer.core.migration import MigrationPlanner
+from tetriinfer.core.migration import MIGRATION_ROLES, MigrationPlanner
 from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
@@ -720,12 +720,12 @@ class ClusterEngineClient:
                 self.policy.on_dispatched(rid, msg.instance_id)
 
     async def _plan_migrations(self) -> None:
-        """Live migration round: evacuate decode instances that are leaving (retiring, or draining for a flip),
-        balance the others (``core.migration``)."""
+        """Live migration round: evacuate decode or colocated instances that are leaving (retiring, or draining
+        for a flip), balance the others within their tier (``core.migration``)."""
         members = [i for i in self.instances.values() if i.alive and i.socket is not None and i.load is not None]
         loads = [load_from_wire(i.load) for i in members]  # type: ignore[arg-type]
         roles = {i.instance_id: i.role for i in members}
-        evacuate = {i.instance_id for i in members if i.role == "decode" and (
+        evacuate = {i.instance_id for i in members if i.role in MIGRATION_ROLES and (
             i.retiring or i.load.state == "draining")}  # type: ignore[union-attr]
         routable = {i.instance_id for i in members if i.routable}
         loads = [r for r in loads if r.instance_id in routable or r.instance_id in evacuate]

@@ -105,6 +105,7 @@ class ClusterConfig:
     rebalance_min_queued: int = 2
     rebalance_max_move: int = 16
     migrate: bool = False  # core.migration: live-migrate running decodes (evacuate leaving instances, balance)
+    # between decode instances, or between colocated ones
     migrate_signal: str = "kv"
     migrate_high: float = 0.85
     migrate_low: float = 0.6
@@ -137,9 +138,6 @@ class ClusterConfig:
         self.scale_config()  # validates the autoscale fields
         self.rebalance_config()
         self.migration_config()
-        if self.migrate and not self.disaggregated:
-            raise ValueError("--migrate moves running decodes between decode instances: it needs a disaggregated "
-                             "mode (colocated instances do not take migrants yet)")
         try:
             ipaddress.ip_address(self.instance_host)
         except ValueError:

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tetriinfer.core.decode_scheduler import DecodeScheduler
-from tetriinfer.core.migration import pick_migrants
+from tetriinfer.core.migration import Detachable, pick_migrants
 from tetriinfer.core.request import Request
 from tetriinfer.runtime.messages import (
     Abort,
@@ -60,7 +59,7 @@ class _Outgoing:
 
 
 class Emigration:
-    def __init__(self, ctx: InstanceContext, scheduler: DecodeScheduler) -> None:
+    def __init__(self, ctx: InstanceContext, scheduler: Detachable) -> None:
         self.ctx = ctx
         self.scheduler = scheduler
         self.outgoing: dict[str, _Outgoing] = {}
@@ -90,7 +89,7 @@ class Emigration:
         kv = self.ctx.kv_manager
         self.scheduler.detach(rid)
         num_blocks = kv.pool.blocks_for_tokens(req.num_computed_tokens)
-        tensors = self.ctx.runner.kv.read_blocks(self.scheduler.block_table(rid)[:num_blocks])
+        tensors = self.ctx.runner.kv.read_blocks(kv.block_table(rid)[:num_blocks])
         pred = None
         if req.predicted_bucket is not None:
             pred = Prediction(req.predicted_bucket, req.predicted_lower or 0, req.predicted_upper or 0)

@@ -17,6 +17,7 @@ import time
 import zmq
 
 from tetriinfer.core.load import InstanceState
+from tetriinfer.core.migration import MIGRATION_ROLES
 from tetriinfer.engine.engine_config import EngineConfig
 from tetriinfer.engine.llm_engine import build_runner
 from tetriinfer.net import url_host
@@ -194,13 +195,13 @@ class Instance:
             self._send_front(Yielded(self.spec.instance_id, [r.request_id for r in taken]))
             if taken:
                 self._report(force=True)
-        elif isinstance(msg, Migrate):  # live migration: only a decode worker holds running decodes to move
-            if self.role == "decode":
+        elif isinstance(msg, Migrate):  # live migration: decode and colocated workers hold running decodes
+            if self.role in MIGRATION_ROLES:
                 self.worker.handle(msg)
             else:
                 self._send_front(MigrationDone(self.spec.instance_id, [], [], 0.0, 0, msg.reason))
         elif isinstance(msg, Handoff) and msg.migrated and (
-                self.role != "decode" or self.state is not InstanceState.ACTIVE or self.retire is not None):
+                self.role not in MIGRATION_ROLES or self.state is not InstanceState.ACTIVE or self.retire is not None):
             # a migrant for an instance that is leaving or no longer decodes: it stays at its source
             with contextlib.suppress(RuntimeError):
                 self._send_peer(msg.prefill_id, KVDone(msg.request_id, failed=True,

@@ -101,9 +101,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                        help="queued requests an instance needs before it gives any away")
     scale.add_argument("--rebalance-max-move", type=int, default=16, help="most requests one move hands over")
     scale.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=False,
-                       help="live-migrate running decodes with their KV (disaggregated modes): a decode instance "
-                            "being removed or flipped hands them to its peers instead of waiting for them to "
-                            "finish, and an overloaded one sheds some to the least loaded (core.migration)")
+                       help="live-migrate running decodes with their KV between decode instances (or between "
+                            "colocated ones): an instance being removed or flipped hands them to its peers instead "
+                            "of waiting for them to finish, and an overloaded one sheds some to the least loaded "
+                            "(core.migration)")
     scale.add_argument("--migrate-signal", default="kv", choices=["kv", "running"],
                        help="what balancing evens out: KV usage (above --migrate-high sheds to one below "
                             "--migrate-low) or running requests (a gap of --migrate-min-gap or more)")
