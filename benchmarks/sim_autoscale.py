@@ -63,6 +63,9 @@ def main() -> None:
                          "is a few seconds, a plain safetensors load tens)")
     ap.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
                     help="also run each autoscaling column with --rebalance (queued requests move to new instances)")
+    ap.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run each autoscaling column with --rebalance --migrate (an instance being removed "
+                         "hands its running decodes to the others)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
@@ -91,9 +94,11 @@ def main() -> None:
         f"tetriinfer 1P+1D..{args.max} --autoscale": ClusterConfig(prefill_instances=1, decode_instances=1,
                                                                    **tetri, **auto),
     }
-    if args.rebalance:
-        for label in [k for k in columns if k.endswith("--autoscale")]:
+    for label in [k for k in columns if k.endswith("--autoscale")]:
+        if args.rebalance:
             columns[label + " --rebalance"] = replace(columns[label], rebalance=True)
+        if args.migrate:
+            columns[label + " --rebalance --migrate"] = replace(columns[label], rebalance=True, migrate=True)
     rows: list[dict[str, Any]] = []
     timelines: dict[str, list[tuple[float, int]]] = {}
     for label, cc in tqdm(columns.items(), desc="columns"):
@@ -107,7 +112,7 @@ def main() -> None:
                      "jct": s["jct"]["mean"], "tpot": s["tpot"]["mean"], "instance_s": res.instance_s,
                      "busy_s": res.resource_s, "adds": acts.count("autoscale-add"),
                      "removes": acts.count("autoscale-remove"), "completed": s["completed"],
-                     "moved": res.migrated, "mode": cc.mode})
+                     "moved": res.migrated, "live": res.migration.get("moved", 0), "mode": cc.mode})
         if cc.autoscale:
             initial = [i for i in res.alive_s if not any(e["instance"] == i and e["action"] == "autoscale-add"
                                                          for e in res.scaling)]
@@ -128,13 +133,17 @@ def main() -> None:
         "- `--rebalance`: each monitor round, the instance with the most queued requests hands up to half of its "
         "unstarted ones back to be routed again when a peer of its tier has an empty queue (a new instance, typically).",
         "",
-        "| column | TTFT mean s | TTFT p99 s | JCT mean s | TPOT ms | instance-s | busy s | added | removed | moved |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "- `--migrate`: an instance being removed hands its running decodes (with their KV, over the simulated "
+        "link) to the instances that stay, and an instance whose KV usage passes 0.85 sheds to one below 0.6.",
+        "",
+        "| column | TTFT mean s | TTFT p99 s | JCT mean s | TPOT ms | instance-s | busy s | added | removed | moved "
+        "| live-migrated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['column']} | {r['ttft']:.3f} | {r['ttft_p99']:.2f} | {r['jct']:.2f} | "
                      f"{r['tpot'] * 1e3:.1f} | {r['instance_s']:.0f} | {r['busy_s']:.0f} | {r['adds']} | "
-                     f"{r['removes']} | {r['moved']} |")
+                     f"{r['removes']} | {r['moved']} | {r['live']} |")
     lines.append("")
     by_mode = {mode: [r for r in rows if r["mode"] == mode] for mode in ("colocated", "tetriinfer")}
     for small, peak, *scaled_rows in by_mode.values():
@@ -152,7 +161,7 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(9, 4))
         for label, steps in timelines.items():
             ax.step([t for t, _ in steps], [n for _, n in steps], where="post", label=label,
-                    linestyle="--" if "rebalance" in label else "-")
+                    linestyle=":" if "migrate" in label else "--" if "rebalance" in label else "-")
         ax.set_xlabel("time (s)")
         ax.set_ylabel("instances provisioned")
         rate_ax = ax.twinx()

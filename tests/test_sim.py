@@ -155,13 +155,23 @@ MODES = {
     "colocated-auto": dict(mode="colocated", autoscale=True, autoscale_window_s=0.3, autoscale_cooldown_s=0.1,
                            autoscale_high=0.5, autoscale_low=0.1, autoscale_max_instances=4, rebalance=True,
                            max_num_seqs=8),
+    # live migration: every decode dispatched to one of two decode instances, balanced by moving running ones
+    "tetri-migrate": dict(mode="tetriinfer", prefill_instances=1, decode_instances=2, dispatch_policy="imbalanced",
+                          migrate=True, migrate_signal="running", migrate_min_gap=2),
+    "tetri-auto-migrate": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, autoscale=True,
+                               autoscale_window_s=0.3, autoscale_cooldown_s=0.1, autoscale_high=0.5,
+                               autoscale_low=0.1, autoscale_max_instances=5, autoscale_decode_load="busy",
+                               migrate=True),
+    "colocated-auto-migrate": dict(mode="colocated", autoscale=True, autoscale_window_s=0.3, autoscale_cooldown_s=0.1,
+                                   autoscale_high=0.5, autoscale_low=0.1, autoscale_max_instances=4, max_num_seqs=8,
+                                   migrate=True, migrate_signal="running", migrate_min_gap=2),
 }
 
 
 def sim_config(name: str, blocks: int = 400, instances: int = 2, **over: object) -> SimConfig:
-    kw = {**MODES[name], **over}
-    cc = ClusterConfig(model="sim", instances=instances, prefill_instances=max(1, instances // 2),
-                       decode_instances=instances - max(1, instances // 2), block_size=16, **kw)  # type: ignore[arg-type]
+    kw = {"instances": instances, "prefill_instances": max(1, instances // 2),
+          "decode_instances": instances - max(1, instances // 2), **MODES[name], **over}
+    cc = ClusterConfig(model="sim", block_size=16, **kw)  # type: ignore[arg-type]
     return SimConfig(cc, num_kv_blocks=blocks, kv_bytes_per_token=8192, max_model_len=2048)
 
 
@@ -191,6 +201,8 @@ def test_every_mode_finishes_every_request_with_its_length_and_frees_every_block
         assert res.local_prefills > 0
     if name == "tetri-keep":
         assert res.kept_decodes > 0
+    if name == "tetri-migrate":
+        assert res.migration["moved_by_reason"].get("balance", 0) > 0 and res.steps["decode-0"] > 0
     again = SimCluster(sim_config(name), COST).run(wl)  # deterministic
     assert [r.to_dict() for r in again.records] == [r.to_dict() for r in res.records]
 
@@ -278,6 +290,26 @@ def test_rebalance_moves_queued_requests_onto_instances_added_by_autoscaling() -
     assert s_moved["jct"]["mean"] < s_plain["jct"]["mean"]
     balanced = run_burst(4, rebalance=True)
     assert balanced.migrated == 0
+
+
+def test_migrate_evacuates_instances_that_autoscaling_removes() -> None:
+    """The burst above, autoscaled, with --migrate: an instance chosen for removal hands its running decodes to
+    the instances that stay, so it leaves as soon as its queue is empty instead of after its longest decode: the
+    pool pays fewer instance-seconds; every request still ends exactly once with its length."""
+    wl = Workload("burst-long", tuple(sorted(
+        [WorkloadRequest(f"b{i}", i / 8, 300, 120) for i in range(120)]  # the burst: autoscaling grows to 4
+        + [WorkloadRequest(f"L{i}", 12.0 + 0.5 * i, 300, 1500) for i in range(6)],  # long decodes outlive it
+        key=lambda w: w.arrival_s)), "test", "trace", None, 0)
+    runs = {}
+    for migrate in (False, True):
+        cfg = replace(sim_config("colocated", blocks=2000, instances=1, max_num_seqs=16, migrate=migrate,
+                                 **BURST_AUTO), scale_out_s=2.0)
+        runs[migrate] = SimCluster(cfg, COST).run(wl)
+        check_run(wl, runs[migrate].records)
+    plain, moved = runs[False], runs[True]
+    assert moved.migration["moved_by_reason"].get("evacuate", 0) > 0, moved.migration
+    assert plain.migration["moved"] == 0
+    assert moved.instance_s < 0.95 * plain.instance_s
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

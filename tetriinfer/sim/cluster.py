@@ -16,6 +16,7 @@ instead of returning partial numbers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from collections import deque
@@ -29,6 +30,7 @@ from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.migration import MIGRATION_ROLES, MigrateCommand, MigrationPlanner, pick_migrants
 from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.sampling_params import SamplingParams
@@ -127,6 +129,7 @@ class SimResult:
     alive_s: dict[str, float] = field(default_factory=dict)  # per instance: seconds provisioned (start to retire)
     scaling: list[dict[str, Any]] = field(default_factory=list)
     migrated: int = 0  # requests handed back unstarted and routed again (--rebalance)
+    migration: dict[str, Any] = field(default_factory=dict)  # live migration of running decodes (--migrate)
 
     @property
     def resource_s(self) -> float:
@@ -162,6 +165,9 @@ class SimCluster:
         self.scale = ScalePolicy(c.scale_config())
         self.rebalancer = Rebalancer(c.rebalance_config())
         self.num_migrated = 0
+        self.migration = MigrationPlanner(c.migration_config())
+        self.migration_log: dict[str, Any] = {"moves": 0, "moved": 0, "returned": 0, "bytes": 0,
+                                              "moved_by_reason": {}}
         self.instances: dict[str, SimInstance] = {}
         self._next_id: dict[str, int] = {}
         self._started_at: dict[str, float] = {}
@@ -240,7 +246,7 @@ class SimCluster:
             steps={i.iid: i.steps for i in everyone.values()}, duration_s=duration,
             local_prefills=self.policy.num_local_prefills, kept_decodes=self.num_kept, flips=self.flip_log,
             transfer_bytes=self.links.bytes_sent, events=self.loop.num_events, alive_s=alive,
-            scaling=self.scale_log, migrated=self.num_migrated,
+            scaling=self.scale_log, migrated=self.num_migrated, migration=dict(self.migration_log),
         )
 
     def _fill_closed_loop(self) -> None:
@@ -328,7 +334,9 @@ class SimCluster:
         if isinstance(self.instances.get(decode_id), SimPrefill):
             self.num_kept += 1
 
-    def handoff(self, prefill_id: str, decode_id: str, req: Request, num_blocks: int) -> None:
+    @staticmethod
+    def _receiver_copy(req: Request) -> Request:
+        """What the receiving instance builds from a handoff: prompt + outputs so far, all but the last computed."""
         copy = Request(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling_params=req.sampling_params,
             arrival_time=req.arrival_time, eos_token_id=req.eos_token_id,
@@ -337,6 +345,10 @@ class SimCluster:
             predicted_upper=req.predicted_upper,
         )
         copy.num_computed_tokens = copy.num_tokens - 1
+        return copy
+
+    def handoff(self, prefill_id: str, decode_id: str, req: Request, num_blocks: int) -> None:
+        copy = self._receiver_copy(req)
 
         self._inbound[decode_id] = self._inbound.get(decode_id, 0) + 1
 
@@ -412,6 +424,12 @@ class SimCluster:
         if c.rebalance:  # after scaling: an instance it just started draining gives nothing and takes nothing
             for move in self.rebalancer.plan(reports, self._active_roles()):
                 self._move(move.donor, move.count, now)
+        if c.migrate:  # live migration: evacuate leaving instances, balance the rest (as the runtime's monitor)
+            roles = {iid: inst.role for iid, inst in self.instances.items()}
+            evacuate = {r.instance_id for r in reports if r.state is not InstanceState.ACTIVE
+                        and roles.get(r.instance_id) in MIGRATION_ROLES}
+            for mig in self.migration.plan(reports, roles, evacuate):
+                self.instances[mig.source].at_step_boundary(lambda mig=mig: self._migrate(mig))
         decode_loads = [r for r in reports if r.role is Role.DECODE]
         for inst in self.instances.values():
             if isinstance(inst, SimPrefill):
@@ -435,6 +453,79 @@ class SimCluster:
                 raise AssertionError(f"{req.request_id}: its donor {donor} accepted it a moment ago")
             self.num_migrated += target != donor
             self._admit(self.instances[target], req)
+
+    def _migrate(self, cmd: MigrateCommand) -> None:
+        """Live migration, as the runtime does it (``runtime.emigration`` / ``immigration``), between two steps of
+        the source: its picked decodes leave the batch (blocks held); each handoff reaches the target after a
+        message latency, which admits it at once (blocks for its context) or refuses (back into the source's
+        batch); the KV crosses the link; the target runs it from its next step and its KVDone, a message later,
+        frees the source's blocks. The planner hears once every picked request is settled."""
+        src = self.instances.get(cmd.source)
+        if src is None or not isinstance(src, SimDecode | SimColocated):
+            self.migration.done(cmd.source)
+            return
+        picked = iter(pick_migrants(src.scheduler.running, cmd.count))
+        unsettled: set[str] = set()
+        log = self.migration_log
+        log["moves"] += 1
+
+        def settled(rid: str, moved: bool) -> None:
+            unsettled.discard(rid)
+            log["moved" if moved else "returned"] += 1
+            if moved:
+                log["moved_by_reason"][cmd.reason] = log["moved_by_reason"].get(cmd.reason, 0) + 1
+            if not unsettled:
+                self.migration.done(cmd.source)
+
+        for target, count in cmd.targets:
+            for req in [r for _, r in zip(range(count), picked, strict=False)]:
+                src.scheduler.detach(req.request_id)
+                unsettled.add(req.request_id)
+                self._send_migrant(src, target, req, settled)
+        if not unsettled:
+            self.migration.done(cmd.source)
+
+    def _send_migrant(self, src: SimDecode | SimColocated, target: str, req: Request,
+                      settled: Callable[[str, bool], None]) -> None:
+        rid = req.request_id
+        num_blocks = src.kv.pool.blocks_for_tokens(req.num_computed_tokens)
+        self._inbound[target] = self._inbound.get(target, 0) + 1
+
+        def back_to_source() -> None:
+            src.scheduler.reattach(rid)
+            src.kick()
+            settled(rid, False)
+
+        def kv_done() -> None:
+            src.scheduler.release_migrated(rid)
+            src.kick()
+            settled(rid, True)
+
+        def arrive() -> None:
+            self._inbound[target] -= 1
+            dst = self.instances.get(target)
+            try:
+                ok = (isinstance(dst, SimDecode | SimColocated) and dst.state is InstanceState.ACTIVE
+                      and dst.scheduler.admit_migrant(self._receiver_copy(req)))
+            except ValueError:
+                ok = False
+            if not ok:
+                self.loop.at(self.links.message(self.loop.now), back_to_source)
+                return
+            assert isinstance(dst, SimDecode | SimColocated)
+            nbytes = num_blocks * self.config.cluster.block_size * self.config.kv_bytes_per_token
+            self.migration_log["bytes"] += nbytes
+
+            def kv_in() -> None:
+                dst.scheduler.on_kv_received(rid)
+                dst.kick()
+                with contextlib.suppress(KeyError, ValueError):
+                    self.policy.on_dispatched(rid, target)
+                self.loop.at(self.links.message(self.loop.now), kv_done)
+
+            self.loop.at(self.links.send(src.iid, target, nbytes, self.loop.now), kv_in)
+
+        self.loop.at(self.links.message(self.loop.now), arrive)
 
     def _scale(self, cmd: ScaleCommand, now: float) -> None:
         """Autoscaling, as the runtime does it: ADD -> ``cmd.count`` new instances report (and take work) after

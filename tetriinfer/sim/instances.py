@@ -99,6 +99,7 @@ class SimInstance:
         self._spans: list[tuple[float, float]] = []  # steps (start, end) not yet wholly counted in a report
         self.steps = 0
         self.step_seconds = 0.0  # the running (or last) step's cost
+        self.between_steps: list[Callable[[], None]] = []  # run once the running step ends (live migration)
 
     # subclass hooks
     def next_step(self) -> SchedulerOutput | None:
@@ -145,9 +146,20 @@ class SimInstance:
         self.steps += 1
         self.host.loop.after(secs, lambda: self._finish(out))
 
+    def at_step_boundary(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now if no step is running, else as soon as the running step ends (the runtime's instance
+        handles control messages between steps: a request is never taken out of a step in flight)."""
+        if self.stepping:
+            self.between_steps.append(fn)
+        else:
+            fn()
+
     def _finish(self, out: SchedulerOutput) -> None:
         self.stepping = False
         self.end_step(out, synthetic_result(out))
+        pending, self.between_steps = self.between_steps, []
+        for fn in pending:
+            fn()
         self._start()
 
     def take_utilization(self, interval_s: float) -> float:
@@ -402,7 +414,7 @@ class SimColocated(SimInstance):
         return not self.scheduler.has_unfinished()
 
     def next_step(self) -> SchedulerOutput | None:
-        return self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        return self.scheduler.schedule() if self.scheduler.waiting or self.scheduler.running else None
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         rows = decode_segments(out)

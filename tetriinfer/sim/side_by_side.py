@@ -202,6 +202,7 @@ class SimSideBySide:
                         "flips": res.flips, "transfer_bytes": res.transfer_bytes, "events": res.events,
                         "output_len_mismatch": s["output_len_mismatch"], "rejected": s["rejected"],
                         "instance_s": res.instance_s, "scaling": res.scaling, "migrated": res.migrated,
+                        "live_migration": res.migration,
                     }
                     raw.setdefault(key, {})[col.label] = {
                         "requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe(),
@@ -276,6 +277,10 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
                              f"provisioned")
             if d.get("migrated"):
                 notes.append(f"{label}: {d['migrated']} queued requests moved to idle peers (--rebalance)")
+            live = d.get("live_migration") or {}
+            if live.get("moved") or live.get("returned"):
+                notes.append(f"{label}: {live['moved']} running decodes live-migrated ({live['returned']} refused; "
+                             f"--migrate)")
         if notes:
             lines += ["", "; ".join(notes) + "."]
     lines += plot_section(plots, relative_to)
