@@ -64,6 +64,10 @@ def main() -> None:
         "2P+2D --flip --flip-decode-load inflation --flip-busy-threshold 0.3 --flip-idle-by mean": ClusterConfig(
             mode="tetriinfer", prefill_instances=2, decode_instances=2, flip=True, flip_window_s=args.flip_window,
             flip_decode_load="inflation", flip_busy_threshold=0.3, flip_idle_by="mean", **common),
+        "2P+2D --flip --flip-decode-load inflation --flip-busy-threshold 0.3 --flip-idle-by mean --migrate":
+            ClusterConfig(mode="tetriinfer", prefill_instances=2, decode_instances=2, flip=True,
+                          flip_window_s=args.flip_window, flip_decode_load="inflation", flip_busy_threshold=0.3,
+                          flip_idle_by="mean", migrate=True, **common),
         "4 colocated": ClusterConfig(mode="colocated", instances=4, model=args.model),
     }
     rows = []
@@ -72,7 +76,8 @@ def main() -> None:
         cfg = SimConfig(cc, num_kv_blocks=blocks, kv_bytes_per_token=kv_bytes_per_token(mcfg, 2),
                         max_model_len=mcfg.max_position_embeddings, predictor_accuracy=0.75)
         res = SimCluster(cfg, cost).run(wl)
-        row = {"column": label, "resource_s": res.resource_s, "flips": len(res.flips)}
+        row = {"column": label, "resource_s": res.resource_s, "flips": len(res.flips),
+               "live": res.migration.get("moved", 0)}
         for phase in ("a", "b"):
             s = summarize([r for r in res.records if r.request_id.startswith(f"{phase}-")])
             row[f"{phase}_ttft"], row[f"{phase}_jct"] = s["ttft"]["mean"], s["jct"]["mean"]
@@ -87,12 +92,15 @@ def main() -> None:
         "reserve-dynamic decode, predictor at 75% bucket accuracy; flip threshold 10%, window "
         f"{args.flip_window:.0f} s, cooldown 5 s.",
         "- Command: `python benchmarks/sim_flip.py` (defaults).", "",
-        "| column | phase 1 (HPLD) TTFT s | JCT s | phase 2 (LPHD) TTFT s | JCT s | resource s | flips |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "- `--migrate`: a decode instance draining for a flip hands its running decodes to the other decode "
+        "instances (live migration) instead of waiting for them to finish.", "",
+        "| column | phase 1 (HPLD) TTFT s | JCT s | phase 2 (LPHD) TTFT s | JCT s | resource s | flips | "
+        "live-migrated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['column']} | {r['a_ttft']:.3f} | {r['a_jct']:.2f} | {r['b_ttft']:.3f} | {r['b_jct']:.2f} | "
-                     f"{r['resource_s']:.0f} | {r['flips']} |")
+                     f"{r['resource_s']:.0f} | {r['flips']} | {r['live']} |")
     for flip in rows[1:-1]:
         lines += ["", f"`{flip['column']}` vs static 2P+2D: phase 1 TTFT {flip['a_ttft'] / base['a_ttft'] - 1:+.0%}, "
                   f"JCT {flip['a_jct'] / base['a_jct'] - 1:+.0%}; phase 2 TTFT {flip['b_ttft'] / base['b_ttft'] - 1:+.0%}, "

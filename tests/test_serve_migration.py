@@ -105,6 +105,8 @@ def test_an_overloaded_decode_instance_sheds_running_requests_to_an_idle_peer(ti
         assert mig["moved_by_reason"].get("balance", 0) >= 1, mig
         steps = {i["id"]: i["steps"] for i in cluster["instances"]}
         assert steps["decode-0"] > 0, steps
+        metrics = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
+        assert 'tetriinfer_requests_live_migrated{reason="balance"}' in metrics
         assert mig["pending"] == [] and cluster["requests_in_flight"] == 0
     finally:
         srv.stop()
@@ -129,5 +131,34 @@ def test_migrations_over_a_faulty_link_lose_nothing_and_free_every_block(tiny_ll
         mig = info["migration"]
         assert mig["moves"] >= 1 and mig["moved"] + mig["returned"] >= 1 and mig["pending"] == [], mig
         assert info["transfers"]["failed"] > 0 and info["requests_in_flight"] == 0
+    finally:
+        srv.stop()
+
+
+def test_a_decode_instance_flipping_to_prefill_hands_its_running_decodes_over(tiny_llama: Path) -> None:
+    # decode load by KV usage (low while a few requests decode), prefill load by busy time: heavy prompts keep the
+    # prefill instance busy, so an idle-looking decode instance flips to prefill -- with its decodes migrated
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
+                       "--kv-backend", "tcp", "--chunk-size", "64", "--flip", "--flip-window", "0.5",
+                       "--flip-threshold", "0.2", "--flip-decode-load", "kv", "--migrate")
+    try:
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        long_bodies = [_body(model, 4 * i, 600) for i in range(4)]  # greedy
+        heavy = [{"model": model, "prompt": f"prefill heavy {i} " + "word " * 500, "max_tokens": 2,
+                  "ignore_eos": True, "temperature": 0.0} for i in range(40)]
+        with ThreadPoolExecutor(max_workers=44) as pool:
+            longs = [pool.submit(_complete, srv.base_url, b) for b in long_bodies]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and sum(
+                    i["running"] for i in srv.cluster()["instances"] if i["role"] == "decode") < 4:
+                time.sleep(0.05)
+            shorts = [pool.submit(_complete, srv.base_url, b) for b in heavy]
+            assert [f.result()[:2] for f in longs] == [(200, 600)] * 4
+            assert [f.result()[:2] for f in shorts] == [(200, 2)] * 40
+        info = srv.cluster()
+        flips = [f for f in info["flips"] if f["from"] == "decode" and f["to"] == "prefill"]
+        assert flips, info["flips"]
+        assert info["migration"]["moved_by_reason"].get("evacuate", 0) >= 1, info["migration"]
+        _assert_blocks_freed(srv)
     finally:
         srv.stop()
