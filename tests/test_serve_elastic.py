@@ -239,3 +239,34 @@ def test_warm_spare_starts_the_added_instance_and_is_replaced(tiny_llama: Path) 
     while pid_alive(spare) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_alive(spare), "a warm spare outlived the server"
+
+
+def test_an_instance_that_dies_while_draining_ends_its_requests_with_an_error(tiny_llama: Path) -> None:
+    """A crash during a drain (no --migrate: decode-0 drains by finishing its decodes) must not leave its requests
+    hanging: they end with an error, the rest complete, and the removal reports the instance as dead."""
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
+                       "--kv-backend", "tcp")
+    try:
+        model = _model(srv.base_url)
+        with ThreadPoolExecutor(max_workers=9) as pool:
+            futures = [pool.submit(_complete, srv.base_url, model, i, 400) for i in range(8)]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and _instances(srv)["decode-0"]["running"] < 2:
+                time.sleep(0.05)
+            victim = _instances(srv)["decode-0"]["pid"]
+            removal = pool.submit(httpx.delete, f"{srv.base_url}/cluster/instances/decode-0", timeout=300)
+            while time.monotonic() < deadline and not _instances(srv)["decode-0"]["retiring"]:
+                time.sleep(0.02)
+            assert _instances(srv)["decode-0"]["membership"] == "draining"
+            os.kill(victim, signal.SIGKILL)
+            gone = removal.result()
+            results = [f.result() for f in futures]
+        assert gone.status_code == 200 and gone.json()["was_dead"] is True, gone.text
+        failed = [r for r in results if r[0] != 200]
+        assert failed and all(code == 500 for code, _ in failed), results
+        assert all(n == 400 for code, n in results if code == 200)
+        assert set(_instances(srv)) == {"prefill-0", "decode-1"}
+        assert _complete(srv.base_url, model, 3, 16) == (200, 16)  # still serving
+        assert srv.cluster()["requests_in_flight"] == 0
+    finally:
+        srv.stop()

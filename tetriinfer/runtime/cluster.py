@@ -29,6 +29,7 @@ import zmq.asyncio
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.load import LoadReport, Role
+from tetriinfer.core.membership import Membership, MemberState
 from tetriinfer.core.migration import MIGRATION_ROLES, MigrationPlanner
 from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.sampling_params import SamplingParams
@@ -86,8 +87,9 @@ class InstanceInfo:
     flips: int = 0
     node: str = ""  # the machine it runs on (the launcher's placement)
     slot: Slot | None = None
-    retiring: bool = False  # scale-in: not routed or dispatched to; drains, then exits (Retire -> Retired)
-    retired: Retired | None = None
+    member: Membership = field(default_factory=Membership)  # the lifecycle (core.membership)
+    retired: Retired | None = None  # its Retired message (drain time)
+    exited_at: float | None = None  # when the monitor first saw its process gone
     replacing: bool = False  # died; a replacement is starting (--replace-dead)
 
     @property
@@ -96,9 +98,13 @@ class InstanceInfo:
 
     @property
     def routable(self) -> bool:
-        """May receive new work: alive, connected (an added instance can report before the front end has
-        connected to it) and not being removed."""
-        return self.alive and self.socket is not None and not self.retiring
+        """May receive new work: SERVING (connected, not being removed; an added instance can report before the
+        front end has connected to it) and its process running."""
+        return self.member.serving and self.alive
+
+    @property
+    def retiring(self) -> bool:
+        return self.member.draining
 
 
 @dataclass
@@ -249,6 +255,7 @@ class ClusterEngineClient:
         sock.setsockopt(zmq.LINGER, 500)
         sock.connect(info.hello.address)
         info.socket = sock
+        info.member.to(MemberState.SERVING, time.time())
 
     async def _send_peer_table(self) -> None:
         """Every connected instance learns the current membership (added ones appear, removed ones vanish)."""
@@ -319,14 +326,14 @@ class ClusterEngineClient:
             info = self.instances.get(instance_id)
             if info is None:
                 raise KeyError(instance_id)
-            if info.retiring:
+            if info.member.draining:
                 raise ValueError(f"instance {instance_id} is already being removed")
             t0 = time.perf_counter()
             if info.alive:
                 others = [i for i in self.instances.values() if i.routable and i is not info]
                 if not any(i.role == info.role for i in others):
                     raise ValueError(f"{instance_id} is the last live {info.role} instance: add another first")
-                info.retiring = True
+                info.member.to(MemberState.DRAINING, time.time())
                 if self.config.flip:
                     self.flip_policy.remove(instance_id)
         if on_draining is not None:
@@ -339,8 +346,14 @@ class ClusterEngineClient:
             deadline = time.monotonic() + timeout_s
             while info.retired is None and info.alive and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            if not info.alive:  # retired -- or crashed mid-drain: then what it held ends now, before it leaves
+                grace_end = time.monotonic() + self._exit_grace_s()
+                while info.retired is None and time.monotonic() < grace_end:
+                    await asyncio.sleep(0.05)
+                self._declare_gone(info, time.time())
+                self._fail_streams_of_dead()
             if info.retired is None and info.alive:
-                info.retiring = False  # give it back its work rather than kill what it holds
+                info.member.to(MemberState.SERVING, time.time())  # give it back its work rather than kill it
                 raise RuntimeError(f"{instance_id} did not drain within {timeout_s:.0f} s; it keeps serving")
             try:
                 await asyncio.to_thread(info.process.wait, 30)
@@ -348,6 +361,9 @@ class ClusterEngineClient:
                 info.process.kill()
                 await asyncio.to_thread(info.process.wait, 30)
         async with self._scale_lock:
+            if not info.alive:  # dead before it was asked, or crashed while draining: what it held ends now
+                self._declare_gone(info, time.time())
+                self._fail_streams_of_dead()
             entry = {"action": action, "instance": instance_id, "role": info.role, "node": info.node,
                      "drain_s": info.retired.drain_s if info.retired else None,
                      "total_s": time.perf_counter() - t0, "was_dead": info.retired is None, "time": time.time()}
@@ -635,6 +651,9 @@ class ClusterEngineClient:
                     info.last_seen = time.time()
                     info.role = msg.role if info.role != "colocated" else info.role
             elif isinstance(msg, Dispatched):
+                stream = self.streams.get(msg.request_id)
+                if stream is not None:  # it holds the request from now on: its failure must end it
+                    stream.instances.add(msg.decode_id)
                 with contextlib.suppress(KeyError, ValueError):
                     self.policy.on_dispatched(msg.request_id, msg.decode_id)
                 target = self.instances.get(msg.decode_id)
@@ -669,6 +688,8 @@ class ClusterEngineClient:
                 info = self.instances.get(msg.instance_id)
                 if info is not None:
                     info.retired = msg
+                    if info.member.draining:
+                        info.member.to(MemberState.RETIRED, time.time())
             elif isinstance(msg, PredictorStat):
                 self.predictor_log["count"] += len(msg.latencies_s)
                 self.predictor_log["seconds"] += sum(msg.latencies_s)
@@ -726,7 +747,7 @@ class ClusterEngineClient:
         loads = [load_from_wire(i.load) for i in members]  # type: ignore[arg-type]
         roles = {i.instance_id: i.role for i in members}
         evacuate = {i.instance_id for i in members if i.role in MIGRATION_ROLES and (
-            i.retiring or i.load.state == "draining")}  # type: ignore[union-attr]
+            i.member.draining or i.load.state == "draining")}  # type: ignore[union-attr]
         routable = {i.instance_id for i in members if i.routable}
         loads = [r for r in loads if r.instance_id in routable or r.instance_id in evacuate]
         for cmd in self.migration.plan(loads, roles, evacuate):
@@ -759,7 +780,7 @@ class ClusterEngineClient:
                 for cmd in self.scale_policy.observe(loads, roles, time.time()):
                     self._tasks.append(asyncio.create_task(self._autoscale(cmd)))
             if self.config.rebalance and self._started and not self._closing:
-                roles = {i.instance_id: i.role for i in self.instances.values() if i.routable and not i.retiring}
+                roles = {i.instance_id: i.role for i in self.instances.values() if i.routable}
                 for move in self.rebalancer.plan(loads, roles):
                     await self.instances[move.donor].socket.send(encode(Yield(move.count)))  # type: ignore[union-attr]
             if self.config.migrate and self._started and not self._closing:
@@ -788,23 +809,52 @@ class ClusterEngineClient:
                 if info.role == "prefill" and info.socket is not None and info.alive:
                     await info.socket.send(msg)
 
+    def _exit_grace_s(self) -> float:
+        """How long an exited draining instance's ``Retired`` (sent just before it exits) may take to arrive."""
+        return max(1.0, 5 * self.config.report_interval_s)
+
     def _check_processes(self) -> None:
-        dead = [i for i in self.instances.values() if not i.alive and not i.retiring]
-        if not dead or self._closing:
+        """Instances whose process exited: RETIRED ones were expected to; any other becomes DEAD (a draining one
+        once its ``Retired`` had time to arrive) and, with --replace-dead, a dead one that was serving is replaced.
+        Every round, unfinished requests that touched a DEAD instance end with an error."""
+        if self._closing:
             return
-        if self.config.replace_dead and self._started:
-            for info in dead:
-                if not info.replacing:
-                    info.replacing = True
-                    self._tasks.append(asyncio.create_task(self._replace(info)))
-        names = {i.instance_id for i in dead}
+        now = time.time()
+        for info in list(self.instances.values()):
+            if info.alive or info.member.state.final:
+                continue
+            if info.exited_at is None:
+                info.exited_at = now
+            if info.member.draining and info.retired is None and now - info.exited_at < self._exit_grace_s():
+                continue  # its Retired may still be on the wire
+            was_draining = info.member.draining
+            self._declare_gone(info, now)
+            if (info.member.state is MemberState.DEAD and not was_draining and self.config.replace_dead
+                    and self._started and not info.replacing):
+                info.replacing = True
+                self._tasks.append(asyncio.create_task(self._replace(info)))
+        self._fail_streams_of_dead()
+
+    def _declare_gone(self, info: InstanceInfo, now: float) -> None:
+        """An exited instance leaves the live states: RETIRED if it said so, else DEAD."""
+        if info.member.state.final:
+            return
+        if info.member.draining and info.retired is not None:
+            info.member.to(MemberState.RETIRED, now)
+        else:
+            info.member.to(MemberState.DEAD, now)
+            self.migration.forget(info.instance_id)
+            self.rebalancer.forget(info.instance_id)
+
+    def _fail_streams_of_dead(self) -> None:
+        names = {i.instance_id for i in self.instances.values() if i.member.state is MemberState.DEAD}
+        if not names:
+            return
         ended = []
         for stream in list(self.streams.values()):
             if stream.instances & names and not stream.finished:
                 self._finish_stream(stream, "error", error=f"instance {sorted(stream.instances & names)} died")
                 ended.append(stream.request_id)
-        for iid in names:
-            self.migration.forget(iid)
         if ended:  # the live instances that also hold them (a migration's source, a prefill copy) free them
             self._tasks.append(asyncio.create_task(self._broadcast_aborts(ended)))
 
@@ -829,7 +879,8 @@ class ClusterEngineClient:
                 "pid": info.process.pid,
                 "host": hello.host if hello else None,
                 "node": info.node,
-                "retiring": info.retiring,
+                "retiring": info.member.draining,
+                "membership": info.member.state.value,
                 "address": hello.address if hello else None,
                 "state": (load.state if load else "starting") if alive else "dead",
                 "kv_blocks_used": load.num_used_blocks if load else 0,
