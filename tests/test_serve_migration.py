@@ -89,10 +89,13 @@ def test_removing_an_instance_migrates_its_running_requests(tiny_llama: Path, la
         srv.stop()
 
 
-def test_an_overloaded_decode_instance_sheds_running_requests_to_an_idle_peer(tiny_llama: Path) -> None:
-    # `imbalanced` dispatch without a predictor sends every (light) decode to decode-1: only migration helps decode-0
+@pytest.mark.parametrize("kv_backend", ["tcp", "shm", "torchdist"])
+def test_an_overloaded_decode_instance_sheds_running_requests_to_an_idle_peer(tiny_llama: Path,
+                                                                              kv_backend: str) -> None:
+    # `imbalanced` dispatch without a predictor sends every (light) decode to decode-1: only migration helps
+    # decode-0; every KV backend carries decode -> decode transfers as it carries prefill -> decode ones
     srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
-                       "--kv-backend", "tcp", "--dispatch-policy", "imbalanced", "--migrate",
+                       "--kv-backend", kv_backend, "--dispatch-policy", "imbalanced", "--migrate",
                        "--migrate-signal", "running", "--migrate-min-gap", "2")
     try:
         model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
