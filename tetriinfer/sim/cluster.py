@@ -130,6 +130,7 @@ class SimResult:
     scaling: list[dict[str, Any]] = field(default_factory=list)
     migrated: int = 0  # requests handed back unstarted and routed again (--rebalance)
     migration: dict[str, Any] = field(default_factory=dict)  # live migration of running decodes (--migrate)
+    preemptions: int = 0  # decode instances' preemptions (recompute), every instance that ever ran
 
     @property
     def resource_s(self) -> float:
@@ -247,6 +248,7 @@ class SimCluster:
             local_prefills=self.policy.num_local_prefills, kept_decodes=self.num_kept, flips=self.flip_log,
             transfer_bytes=self.links.bytes_sent, events=self.loop.num_events, alive_s=alive,
             scaling=self.scale_log, migrated=self.num_migrated, migration=dict(self.migration_log),
+            preemptions=sum(i.scheduler.num_preemptions for i in everyone.values() if isinstance(i, SimDecode)),
         )
 
     def _fill_closed_loop(self) -> None:
