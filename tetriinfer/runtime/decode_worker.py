@@ -105,7 +105,7 @@ class DecodeWorker:
             if not ok:
                 return
             self.pending.popleft()
-            self._post_receive(h, attempt=0)
+            self.receiver.post(h)
 
     def _admit_local(self) -> None:
         while self.local_pending:
@@ -119,9 +119,6 @@ class DecodeWorker:
             if not ok:
                 return
             self.local_pending.popleft()
-
-    def _post_receive(self, h: Handoff, attempt: int) -> None:
-        self.receiver.post(h, attempt)
 
     def poll_transfers(self) -> None:
         self.emigration.poll()

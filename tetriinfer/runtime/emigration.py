@@ -115,7 +115,7 @@ class Emigration:
         if out is None:  # ended meanwhile; the target times out and frees its blocks
             return
         if out.sending_tid is not None:  # a re-posted receive: send again
-            self._release_tid(out.sending_tid)
+            self.ctx.release_transfer(out.sending_tid)
         out.sending_tid = msg.transfer_id
         try:
             self.ctx.backend.send(msg.transfer_id, out.tensors, msg.region, timeout_s=self.ctx.spec.transfer_timeout_s)
@@ -136,7 +136,7 @@ class Emigration:
         for rid, out in list(self.outgoing.items()):
             if out.sending_tid is not None and self.ctx.backend.poll(out.sending_tid) in (
                     TransferState.DONE, TransferState.FAILED):
-                self._release_tid(out.sending_tid)
+                self.ctx.release_transfer(out.sending_tid)
                 out.sending_tid = None
             if now > out.deadline:
                 del self.outgoing[rid]
@@ -152,14 +152,14 @@ class Emigration:
         if out is None:
             return
         if out.sending_tid is not None:
-            self._release_tid(out.sending_tid)
+            self.ctx.release_transfer(out.sending_tid)
         out.move.open.discard(request_id)
         self._maybe_done(out.move)
 
     def _end(self, out: _Outgoing, moved: bool) -> None:
         rid = out.request.request_id
         if out.sending_tid is not None:
-            self._release_tid(out.sending_tid)
+            self.ctx.release_transfer(out.sending_tid)
         if moved:
             self.scheduler.release_migrated(rid)
             self.ctx.runner.sampler.drop([rid])
@@ -177,8 +177,3 @@ class Emigration:
         self.ctx.send_front(MigrationDone(self.ctx.instance_id, list(move.moved), list(move.returned),
                                           time.perf_counter() - move.started, move.num_bytes, move.reason))
 
-    def _release_tid(self, tid: str) -> None:
-        try:
-            self.ctx.backend.release(tid)
-        except KeyError:
-            pass

@@ -94,10 +94,7 @@ class KVReceiver:
         rcv = self.receiving.pop(request_id, None)
         if rcv is None:
             return
-        try:
-            self.ctx.backend.release(rcv.transfer_id)
-        except KeyError:
-            pass
+        self.ctx.release_transfer(rcv.transfer_id)
 
     def install(self, rcv: Receiving, block_table: list[int]) -> None:
         """Write the received KV into the request's first ``num_kv_blocks`` blocks; a migrated seeded request

@@ -293,7 +293,7 @@ class PrefillWorker:
     def _drop_stream(self, rid: str) -> None:
         stream = self.streams.pop(rid, None)
         if stream is not None and stream.transfer_id is not None:
-            self._release_tid(stream.transfer_id)
+            self.ctx.release_transfer(stream.transfer_id)
 
     def _try_keep(self, req: Request) -> bool:
         """Keep a just-prefilled request here to decode it (``core.keep_decode``)? If so its blocks move to
@@ -377,7 +377,7 @@ class PrefillWorker:
         stream = self.streams.get(msg.request_id)
         if stream is not None:
             if stream.transfer_id is not None:  # a re-posted receive: start over
-                self._release_tid(stream.transfer_id)
+                self.ctx.release_transfer(stream.transfer_id)
             stream.transfer_id, stream.sent_blocks, stream.closed, stream.keep = msg.transfer_id, 0, False, []
             try:
                 self.ctx.backend.open(msg.transfer_id, msg.region, timeout_s=self.ctx.spec.transfer_timeout_s)
@@ -391,7 +391,7 @@ class PrefillWorker:
             return
         backend = self.ctx.backend
         if staged.sending_tid is not None:
-            self._release_tid(staged.sending_tid)
+            self.ctx.release_transfer(staged.sending_tid)
         staged.sending_tid = msg.transfer_id
         staged.send_started = time.perf_counter()
         try:
@@ -409,14 +409,9 @@ class PrefillWorker:
                 continue
             state = self.ctx.backend.poll(tid)
             if state is TransferState.DONE or state is TransferState.FAILED:
-                self._release_tid(tid)
+                self.ctx.release_transfer(tid)
                 staged.sending_tid = None
 
-    def _release_tid(self, tid: str) -> None:
-        try:
-            self.ctx.backend.release(tid)
-        except KeyError:
-            pass
 
     def _on_kv_done(self, msg: KVDone) -> None:
         stream = self.streams.get(msg.request_id)
@@ -451,7 +446,7 @@ class PrefillWorker:
     def _drop(self, rid: str) -> None:
         staged = self.staged.pop(rid, None)
         if staged is not None and staged.sending_tid is not None:
-            self._release_tid(staged.sending_tid)
+            self.ctx.release_transfer(staged.sending_tid)
         if rid in self.awaiting_dispatch:
             self.awaiting_dispatch.remove(rid)
 

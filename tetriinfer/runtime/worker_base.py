@@ -65,6 +65,13 @@ class InstanceContext:
         for req in finished:
             self.emit_finished(req)
 
+    def release_transfer(self, transfer_id: str) -> None:
+        """Forget a KV transfer at the backend (cancelling it if still live); unknown ids are fine."""
+        try:
+            self.backend.release(transfer_id)
+        except KeyError:
+            pass
+
     def emit_error(self, request_id: str, index: int, message: str) -> None:
         self.outbox.append(TokenItem(request_id, index, [], True, "error", None, message))
 
