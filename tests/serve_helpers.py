@@ -38,6 +38,17 @@ class ServeProcess:
     def cluster(self) -> dict:
         return httpx.get(f"{self.base_url}/cluster", timeout=10).json()
 
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """``/cluster`` once no instance holds a block, queues or runs anything (or the last one seen at timeout)."""
+        deadline = time.monotonic() + timeout
+        info = self.cluster()
+        while time.monotonic() < deadline:
+            info = self.cluster()
+            if all(i["kv_blocks_used"] == 0 and i["queued"] == 0 and i["running"] == 0 for i in info["instances"]):
+                break
+            time.sleep(0.3)
+        return info
+
     def child_pids(self) -> list[int]:
         return [i["pid"] for i in self.cluster()["instances"]]
 

@@ -51,17 +51,6 @@ def _client(srv: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _wait_idle(srv: ServeProcess, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    info = srv.cluster()
-    while time.monotonic() < deadline:
-        info = srv.cluster()
-        if all(i["kv_blocks_used"] == 0 and i["queued"] == 0 and i["running"] == 0 for i in info["instances"]):
-            return info
-        time.sleep(0.3)
-    return info
-
-
 def test_completions_match_offline_engine(server, reference):
     client = _client(server)
     for prompt in PROMPTS:
@@ -133,7 +122,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
 
     counts = asyncio.run(run())
     assert all(c >= 1 for c in counts)
-    info = _wait_idle(server)
+    info = server.wait_idle()
     for inst in info["instances"]:
         assert inst["kv_blocks_used"] == 0, inst
     assert info["requests_in_flight"] == 0
@@ -195,7 +184,7 @@ def test_keep_decode_waves_match_offline_engine(tiny_llama):
             return list(await asyncio.gather(wave(waves[0], 0.0), wave(waves[1], 0.6)))
 
         assert asyncio.run(run()) == reference
-        info = _wait_idle(srv)
+        info = srv.wait_idle()
         assert info["kept_decodes"] > 0
         assert all(i["kv_blocks_used"] == 0 for i in info["instances"]) and info["requests_in_flight"] == 0
     finally:

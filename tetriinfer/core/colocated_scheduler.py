@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from tetriinfer.core.chunking import build_chunk
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
-from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment
+from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment, prefill_candidates
 from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
@@ -163,6 +163,12 @@ class _ColocatedBase(Detachable):
         req.num_preemptions += 1
         return True
 
+    def _release_match(self, req: Request) -> None:
+        """Give back the cached prefix a waiting request matched but could not use this step (the vLLM policy's
+        waiting requests hold no blocks otherwise)."""
+        self.kv.free_request(req.request_id)
+        req.num_computed_tokens = 0
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free_request(req.request_id)
@@ -220,6 +226,7 @@ class _ColocatedBase(Detachable):
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens = seg.end
+            self.kv.cache_computed(req)
             if not seg.sample:
                 continue
             token = result.sampled_token_ids[seg.request_id]
@@ -256,10 +263,11 @@ class VLLMScheduler(_ColocatedBase):
         for req in self.waiting:
             if self._seats_taken() + len(batch) >= cfg.max_num_seqs:
                 break
+            self.kv.match_prefix(req)
             n = req.num_uncomputed_tokens
-            if batch and tokens + n > cfg.max_num_batched_tokens:
-                break
-            if not self.kv.allocate_slots(req.request_id, req.num_tokens):
+            if (batch and tokens + n > cfg.max_num_batched_tokens
+                    or not self.kv.allocate_slots(req.request_id, req.num_tokens)):
+                self._release_match(req)  # whole prompts only: a request not admitted holds nothing
                 if not batch and not self.running and not self.kv.num_used_blocks:
                     self._end_in_schedule(req)  # can never fit the pool
                 break
@@ -281,13 +289,14 @@ class SarathiScheduler(_ColocatedBase):
         slots = cfg.max_num_seqs - self._seats_taken()
         n_prefill = 0
         if budget > 0 and slots > 0 and self.waiting:
-            candidates = [(r.request_id, r.num_computed_tokens, r.num_uncomputed_tokens) for r in self.waiting]
-            chunk = build_chunk(candidates[:slots], budget, admit=self._admit, pad=False)
+            heads = list(self.waiting)[:slots]
+            chunk = build_chunk(prefill_candidates(heads, self.kv), budget, admit=self._admit, pad=False)
             if not chunk.slices and not self.running:
                 # Partial prefills hold every block and nothing runs: free the youngest holders.
                 for victim in list(reversed(self.waiting))[:-1]:
                     if self._release_partial(victim):
-                        chunk = build_chunk(candidates[:1], budget, admit=self._admit, pad=False)
+                        chunk = build_chunk(prefill_candidates(heads[:1], self.kv), budget, admit=self._admit,
+                                            pad=False)
                         if chunk.slices:
                             break
                 if not chunk.slices and not self.kv.num_used_blocks:

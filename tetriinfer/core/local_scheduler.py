@@ -15,7 +15,7 @@ while another request could be preempted instead.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from tetriinfer.core.chunking import build_chunk
@@ -47,6 +47,15 @@ class StepUpdate:
 
     new_tokens: dict[str, int]
     finished: tuple[Request, ...]
+
+
+def prefill_candidates(order: Iterable[Request], kv: KVCacheManager) -> Iterator[tuple[str, int, int]]:
+    """``build_chunk`` candidates (request id, first uncomputed token, tokens left) in ``order``, produced as the
+    chunk fills: a request's cached prefix is matched (``KVCacheManager.match_prefix``) just before it is
+    offered, so only requests that reach the chunk pin cached blocks."""
+    for r in order:
+        kv.match_prefix(r)
+        yield r.request_id, r.num_computed_tokens, r.num_uncomputed_tokens
 
 
 def _segment(req: Request, start: int, n: int, table: list[int]) -> ScheduledSegment:
@@ -128,8 +137,6 @@ class LocalScheduler:
         free_seq_slots = cfg.max_num_seqs - len(self.running)
         if free_seq_slots <= 0:
             return None
-        candidates = [(r.request_id, r.num_computed_tokens, r.num_uncomputed_tokens) for r in self.waiting]
-        candidates = candidates[:free_seq_slots]
         bs = self.kv.block_size
 
         def admit(request_id: str, start: int, n: int) -> int:
@@ -144,7 +151,8 @@ class LocalScheduler:
             assert ok
             return fit
 
-        chunk = build_chunk(candidates, cfg.chunk_size, admit=admit, pad=cfg.pad_last_chunk)
+        heads = list(self.waiting)[:free_seq_slots]
+        chunk = build_chunk(prefill_candidates(heads, self.kv), cfg.chunk_size, admit=admit, pad=cfg.pad_last_chunk)
         if not chunk.slices and not self.running:
             # Partially prefilled waiting requests hold every block and nothing runs that could free
             # any: release the youngest holders (recompute later) so the queue head can progress.
@@ -155,7 +163,8 @@ class LocalScheduler:
                     self.kv.free_request(victim.request_id)
                     victim.num_computed_tokens = 0
                     victim.num_preemptions += 1
-                    chunk = build_chunk(candidates[:1], cfg.chunk_size, admit=admit, pad=cfg.pad_last_chunk)
+                    chunk = build_chunk(prefill_candidates(heads[:1], self.kv), cfg.chunk_size, admit=admit,
+                                        pad=cfg.pad_last_chunk)
                     if chunk.slices:
                         break
         if not chunk.slices:
@@ -184,6 +193,8 @@ class LocalScheduler:
                 continue
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
+                if self._release_youngest_waiting_holder():
+                    continue  # retry: a partly prefilled waiting request gave its blocks back
                 # Alone and still out of memory: the pool is smaller than this request's context.
                 self._table.mark_finished(req, RequestStatus.FINISHED_LENGTH)
                 continue
@@ -203,6 +214,17 @@ class LocalScheduler:
             finished_request_ids=self._table.drain_finished(),
         )
 
+    def _release_youngest_waiting_holder(self) -> bool:
+        """Free the blocks of the youngest waiting request that holds any (it recomputes later); False if none
+        does. Used before giving up on the last running request for lack of memory."""
+        for victim in reversed(self.waiting):
+            if self.kv.num_blocks_of(victim.request_id):
+                self.kv.free_request(victim.request_id)
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                return True
+        return False
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free_request(req.request_id)
@@ -220,6 +242,7 @@ class LocalScheduler:
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens = seg.end
+            self.kv.cache_computed(req)
             if not seg.sample:
                 continue
             token = result.sampled_token_ids[seg.request_id]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from tetriinfer.core.chunking import build_chunk
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
-from tetriinfer.core.local_scheduler import _segment
+from tetriinfer.core.local_scheduler import _segment, prefill_candidates
 from tetriinfer.core.prefill_policy import PrefillPolicy, PrefillQueue, parse_prefill_policy
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
@@ -210,8 +210,8 @@ class PrefillScheduler:
             assert ok
             return fit
 
-        candidates = [(r.request_id, r.num_computed_tokens, r.num_uncomputed_tokens) for r in order]
-        return build_chunk(candidates, self.config.chunk_size, admit=admit, pad=self.config.pad_last_chunk)
+        return build_chunk(prefill_candidates(order, self.kv), self.config.chunk_size, admit=admit,
+                           pad=self.config.pad_last_chunk)
 
     # ---- results -------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: StepResult) -> PrefillStepUpdate:
@@ -223,6 +223,7 @@ class PrefillScheduler:
             if req is None or req.request_id not in self.queue:  # aborted while the step ran
                 continue
             req.num_computed_tokens = seg.end
+            self.kv.cache_computed(req)
             if not seg.sample:
                 continue
             token = result.sampled_token_ids[seg.request_id]

@@ -21,6 +21,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     cpu_cores: tuple[int, ...] | None = None
+    enable_prefix_caching: bool = False  # reuse the K/V of full blocks of earlier prompts (core.prefix_cache)
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:

@@ -39,6 +39,7 @@ class LLM:
         num_threads: int | None = None,
         cpu_cores: Sequence[int] | None = None,
         pad_last_chunk: bool = True,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if model is None:
             from tetriinfer.engine.make_model import default_model_path
@@ -59,6 +60,7 @@ class LLM:
             seed=seed,
             num_threads=num_threads,
             cpu_cores=tuple(cpu_cores) if cpu_cores is not None else None,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = LLMEngine(self.config)
 

@@ -60,7 +60,7 @@ def build_runner(config: EngineConfig) -> EngineParts:
     num_blocks = _num_kv_blocks(config, cfg, max_len)
     kv_tensors = KVCacheTensors(cfg, num_blocks, config.block_size, parse_dtype(config.dtype), config.device)
     runner = ModelRunner(model, cfg, kv_tensors, config.device, seed=config.seed)
-    return EngineParts(model, cfg, runner, KVCacheManager(num_blocks, config.block_size), max_len)
+    return EngineParts(model, cfg, runner, KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching), max_len)
 
 
 @dataclass

@@ -433,6 +433,7 @@ class ClusterEngineClient:
             num_kv_blocks=c.num_kv_blocks, kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
             max_model_len=self.max_model_len, cpu_cores=c.cores_for(slot.local_index),
             num_threads=c.cores_per_instance if c.device == "cpu" else None, seed=c.seed + index,
+            enable_prefix_caching=c.enable_prefix_caching,
             prefill_policy=pol.prefill_policy, prefill_sched_batch=c.prefill_sched_batch,
             dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
@@ -890,6 +891,9 @@ class ClusterEngineClient:
                 "utilization": load.utilization if load else 0.0,
                 "busy_s": load.busy_s if load else 0.0,
                 "steps": load.steps if load else 0,
+                "prefix_cache_hit_tokens": load.prefix_hit_tokens if load else 0,
+                "prefix_cache_queried_tokens": load.prefix_queried_tokens if load else 0,
+                "prefix_cache_blocks": load.prefix_cached_blocks if load else 0,
                 "flips": info.flips,
                 "last_report_age_s": (time.time() - info.last_seen) if info.last_seen else None,
             })

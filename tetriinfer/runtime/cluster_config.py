@@ -55,6 +55,7 @@ class ClusterConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = 1.0
+    enable_prefix_caching: bool = False  # prefill and colocated instances reuse cached prompt blocks
     max_num_seqs: int = 256
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048

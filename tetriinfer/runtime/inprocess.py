@@ -298,6 +298,7 @@ class InProcessEngineClient:
             "kv_blocks_total": kv.num_blocks,
             "queued": len(sched.waiting),
             "running": len(sched.running),
+            **kv.prefix_cache_stats(),
             "steps": self._counters.steps,
             "step_errors": self._counters.step_errors,
             "requests_finished": dict(self._counters.finished),

@@ -85,6 +85,7 @@ class Instance:
             kv_cache_memory_gb=spec.kv_cache_memory_gb, max_num_seqs=spec.max_num_seqs,
             max_model_len=spec.max_model_len, load_format=spec.load_format, seed=spec.seed,
             num_threads=spec.num_threads, cpu_cores=tuple(spec.cpu_cores) if spec.cpu_cores else None,
+            enable_prefix_caching=spec.enable_prefix_caching,
         )
         parts = build_runner(engine_config)
         self.zctx = zmq.Context()
@@ -262,7 +263,7 @@ class Instance:
             return
         util = min(1.0, self._busy_since_report / interval) if interval > 0 else 0.0
         rep = self.worker.load_report(now, util, self.state)
-        self._send_front(wire_load(rep, self.busy_s, self.steps))
+        self._send_front(wire_load(rep, self.busy_s, self.steps, self.ctx.kv_manager))
         lat = getattr(self.worker, "predictor_latencies", None)
         if lat:
             self._send_front(PredictorStat(self.spec.instance_id, list(lat)))

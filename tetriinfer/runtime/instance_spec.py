@@ -29,6 +29,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     cpu_cores: list[int] | None = None
     num_threads: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = False
     # policies
     prefill_policy: str = "fcfs"
     prefill_sched_batch: int = 16

@@ -217,6 +217,9 @@ class WireLoad(msgspec.Struct, tag=True, frozen=True):
     steps: int
     num_prefill_tokens: int = 0
     step_inflation: float = 0.0
+    prefix_hit_tokens: int = 0  # cumulative prompt tokens found in the prefix cache (--enable-prefix-caching)
+    prefix_queried_tokens: int = 0  # cumulative prompt tokens looked up there
+    prefix_cached_blocks: int = 0  # blocks holding a named (reusable) prefix now
 
 
 class PredictorStat(msgspec.Struct, tag=True, frozen=True):

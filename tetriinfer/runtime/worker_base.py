@@ -96,7 +96,9 @@ def apply_decode_step(ctx: InstanceContext, scheduler: DecodeScheduler, out: Sch
         ctx.emit_update(scheduler.requests, upd.new_tokens, upd.finished)
 
 
-def wire_load(report: LoadReport, busy_s: float, steps: int) -> WireLoad:
+def wire_load(report: LoadReport, busy_s: float, steps: int, kv: KVCacheManager | None = None) -> WireLoad:
+    """The report on the wire; ``kv`` (the instance's own) adds its prefix-cache counters."""
+    stats = kv.prefix_cache_stats() if kv is not None else {}
     return WireLoad(
         instance_id=report.instance_id, role=report.role.value, state=report.state.value, time=report.time,
         num_queued=report.num_queued, num_running=report.num_running, num_free_blocks=report.num_free_blocks,
@@ -104,6 +106,9 @@ def wire_load(report: LoadReport, busy_s: float, steps: int) -> WireLoad:
         tokens_in_flight=report.tokens_in_flight, num_heavy_decodes=report.num_heavy_decodes,
         num_light_decodes=report.num_light_decodes, utilization=report.utilization, busy_s=busy_s, steps=steps,
         num_prefill_tokens=report.num_prefill_tokens, step_inflation=report.step_inflation,
+        prefix_hit_tokens=stats.get("prefix_cache_hit_tokens", 0),
+        prefix_queried_tokens=stats.get("prefix_cache_queried_tokens", 0),
+        prefix_cached_blocks=stats.get("prefix_cache_blocks", 0),
     )
 
 

@@ -32,6 +32,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="automatic prefix caching: a prompt's full KV blocks that an earlier request already "
+                        "computed (same leading tokens) are reused instead of prefilled again; freed cached blocks "
+                        "are evicted least recently used first (prefill and colocated instances)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -137,6 +141,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         instances=args.instances, chunk_size=args.chunk_size, chunk_padding=args.chunk_padding,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
@@ -180,6 +185,7 @@ def build_client(args: argparse.Namespace) -> Any:
                            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                            kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                            max_model_len=args.max_model_len, load_format=args.load_format,
+                           enable_prefix_caching=args.enable_prefix_caching,
                            pad_last_chunk=pads_last_chunk(args.chunk_padding, args.device))
         return InProcessEngineClient(cfg, model_name=name), name
     from tetriinfer.runtime.cluster import ClusterEngineClient

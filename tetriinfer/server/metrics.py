@@ -13,7 +13,9 @@ Metric names (prefix ``tetriinfer_``):
   ``requests_in_flight`` (gauge), ``request_errors_total{code}`` (HTTP errors returned);
 - per instance, refreshed from ``cluster_info()`` on every scrape (stale instances disappear):
   ``instance_kv_blocks_used``, ``instance_kv_blocks_total``, ``instance_queued_requests``,
-  ``instance_running_requests``, ``instance_up`` — labels ``instance``, ``role``;
+  ``instance_running_requests``, ``instance_prefix_cache_hit_tokens`` / ``..._queried_tokens`` (cumulative prompt
+  tokens found in / looked up in the prefix cache), ``instance_prefix_cache_blocks``, ``instance_up`` — labels
+  ``instance``, ``role``;
 - ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (histograms; ``kv_transfer_bytes_sum`` is the total
   moved), ``kv_transfers_total{backend,outcome}``;
 - ``instance_flips_total{from_role,to_role}``, ``instance_flip_seconds`` (histogram).
@@ -45,6 +47,9 @@ _INSTANCE_FIELDS = {
     "kv_blocks_total": "instance_kv_blocks_total",
     "queued": "instance_queued_requests",
     "running": "instance_running_requests",
+    "prefix_cache_hit_tokens": "instance_prefix_cache_hit_tokens",
+    "prefix_cache_queried_tokens": "instance_prefix_cache_queried_tokens",
+    "prefix_cache_blocks": "instance_prefix_cache_blocks",
 }
 
 
