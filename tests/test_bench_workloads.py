@@ -199,3 +199,32 @@ def test_bench_workload_cli_takes_a_rate_profile(capsys: pytest.CaptureFixture[s
     assert main(["bench", "workload", "-w", "lpld", "--rate-profile", "1:20,4:20"]) == 0
     assert "rate profile 1:20,4:20" in capsys.readouterr().out
     assert main(["bench", "workload", "-w", "lpld", "--rate-profile", "1:20", "--rate", "3"]) == 2
+
+
+def test_mooncake_hash_blocks_scale_and_share_exact_prefixes() -> None:
+    """``--length-scale`` keeps a Mooncake trace's sharing: equal leading hash ids give equal leading tokens."""
+    from tetriinfer.bench.client import PromptBuilder
+
+    w = load_workload(f"trace:{MOON30}", 30, length_scale=1 / 16)
+    first, second = w.requests[0], w.requests[1]
+    assert first.prompt_tokens == round(6758 / 16) and first.output_tokens == round(500 / 16)
+    assert first.prefix_blocks[:2] == (0, 1) and second.prefix_blocks[:2] == (0, 14)
+    assert first.prefix_block_tokens == 32 and any("scaled" in n for n in w.notes)
+    assert WorkloadRequest.from_dict(first.to_dict()) == first
+    pb = PromptBuilder(None, seed=3)
+    a = pb.build_from_blocks(0, first.prompt_tokens, first.prefix_blocks, 32)
+    b = pb.build_from_blocks(1, second.prompt_tokens, second.prefix_blocks, 32)
+    assert len(a) == first.prompt_tokens and len(b) == second.prompt_tokens
+    assert a[:32] == b[:32] and a[32:64] != b[32:64]  # hash 0 shared, then 1 vs 14
+    assert pb.build_from_blocks(5, 70, (0, 1), 32)[:64] == a[:64]  # fewer blocks than tokens: own tail
+    assert len(pb.build_from_blocks(5, 70, (0, 1), 32)) == 70
+    from tetriinfer.bench.client import BenchmarkClient, ClientConfig
+
+    client = BenchmarkClient(ClientConfig("http://127.0.0.1:1", "m", seed=3))
+    assert client.payload(0, first)["prompt"] == a  # what the server receives: these exact token ids
+    full = load_workload(f"trace:{MOON30}", 3)
+    assert full.requests[0].prefix_block_tokens == 512 and full.requests[0].prompt_tokens == 6758
+    with pytest.raises(ValueError, match="length_scale"):
+        load_workload("mixed", 5, length_scale=0.5)
+    with pytest.raises(ValueError, match="length_scale"):
+        load_workload(f"trace:{MOON30}", 5, length_scale=0)

@@ -528,3 +528,27 @@ def test_simulated_decode_instance_reports_step_inflation() -> None:
     rep = inst.report(1.0, 1.0)
     assert len(inst.scheduler.running) == 16
     assert rep.step_inflation == pytest.approx(1 - COST.decode_seconds(1) / COST.decode_seconds(16), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tetriinfer", "colocated", "sarathi"])
+def test_simulated_prefix_caching_finds_only_the_traces_sharing_and_saves_prefill_time(name: str) -> None:
+    """Mooncake-style hash blocks (scaled): with caching the simulator reuses exactly the blocks the trace shares
+    (the system block and earlier turns), every request still ends with its length, and prefill busy time drops;
+    requests without hash blocks never hit (their stand-in tokens are their own)."""
+    bt = 64  # tokens per hash block (a multiple of the block size: every shared block is whole)
+    turns = [(0, (0, 1, 2)), (1, (0, 1, 2, 3, 4)), (2, (0, 5, 6)), (3, (0, 1, 2, 3, 4, 7, 8))]
+    reqs = [WorkloadRequest(f"t{i}", 2.0 * k, len(h) * bt, 8, prefix_blocks=h, prefix_block_tokens=bt)
+            for k, (i, h) in enumerate(turns)]
+    reqs.append(WorkloadRequest("plain", 9.0, 300, 8))
+    wl = Workload("conversations", tuple(reqs), "test", "trace", None, 0)
+    over = {"sarathi": {"chunk_size": 128}}.get(name, {})
+    plain = SimCluster(sim_config(name, instances=2, **over), COST).run(wl)
+    cached = SimCluster(sim_config(name, instances=2, enable_prefix_caching=True, **over), COST).run(wl)
+    check_run(wl, cached.records)
+    assert plain.prefix_hit_tokens == 0
+    if name == "tetriinfer":  # one prefill instance sees every turn: each finds all its shared leading blocks
+        assert cached.prefix_hit_tokens == (3 + 1 + 5) * bt
+        assert cached.resource_s < plain.resource_s
+    else:  # two colocated instances: a turn finds what its instance saw, never more
+        assert 0 < cached.prefix_hit_tokens <= (3 + 1 + 5) * bt
+    assert cached.prefix_queried_tokens == sum(r.prompt_tokens for r in reqs)

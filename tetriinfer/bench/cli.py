@@ -62,6 +62,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         help="multiply trace inter-arrival gaps by S (2 = half the rate); exclusive with --rate",
     )
     g.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="traces: multiply prompt/output lengths (and a Mooncake trace's 512-token hash blocks, so shared "
+        "prefixes stay shared) by S, e.g. 0.0625 to replay a long-context trace on a small model",
+    )
+    g.add_argument(
         "--arrival",
         choices=("poisson", "gamma", "trace"),
         default=None,
@@ -127,6 +134,7 @@ def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_output_tokens=args.max_output_tokens,
         max_context=args.max_context,
         length_source=args.length_source,
+        length_scale=args.length_scale,
     )
 
 

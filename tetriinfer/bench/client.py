@@ -92,7 +92,9 @@ class ClientConfig:
 
 
 class PromptBuilder:
-    """Builds prompts of exactly N token ids, deterministic per (seed, request index)."""
+    """Builds prompts of exactly N token ids, deterministic per (seed, request index); a prompt made of trace
+    hash blocks (``build_from_blocks``) is deterministic per (seed, hash id) block by block, so two requests
+    whose traces share leading hash ids share exactly those leading tokens (what a prefix cache can reuse)."""
 
     def __init__(
         self, tokenizer: str | None, seed: int, random_token_range: tuple[int, int] = (100, 1000)
@@ -120,6 +122,24 @@ class PromptBuilder:
         head = min(8, num_tokens)
         ids[:head] = rng.choice(np.unique(base), size=head)  # per-request prefix: no shared prompt caches
         return ids.tolist()
+
+    def _block(self, hash_id: int, block_tokens: int) -> np.ndarray:
+        rng = np.random.default_rng([self._seed, 11, hash_id])
+        if self._base_ids is None:
+            lo, hi = self._range
+            return rng.integers(lo, hi, size=block_tokens)
+        return rng.choice(np.unique(self._base_ids), size=block_tokens)
+
+    def build_from_blocks(self, index: int, num_tokens: int, hash_ids: tuple[int, ...], block_tokens: int) -> list[int]:
+        """``num_tokens`` ids: the blocks of ``hash_ids`` in order (the last one cut short), then, if the trace
+        names fewer blocks than the length needs, tokens of this request alone."""
+        if num_tokens < 1 or block_tokens < 1:
+            raise ValueError(f"need num_tokens >= 1 and block_tokens >= 1, got {num_tokens}, {block_tokens}")
+        parts = [self._block(h, block_tokens) for h in hash_ids[: -(-num_tokens // block_tokens)]]
+        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if len(ids) < num_tokens:
+            ids = np.concatenate([ids, np.asarray(self.build(index, num_tokens - len(ids)), dtype=np.int64)])
+        return ids[:num_tokens].tolist()
 
 
 def _encode_with_tokenizer(path: str, text: str) -> list[int]:
@@ -157,9 +177,14 @@ class BenchmarkClient:
 
     def payload(self, index: int, req: WorkloadRequest) -> dict[str, Any]:
         cfg = self.config
-        prompt: list[int] | str = (
-            req.prompt_text if req.prompt_text is not None else self._prompts.build(index, req.prompt_tokens)
-        )
+        prompt: list[int] | str
+        if req.prompt_text is not None:
+            prompt = req.prompt_text
+        elif req.prefix_blocks:
+            prompt = self._prompts.build_from_blocks(index, req.prompt_tokens, req.prefix_blocks,
+                                                     req.prefix_block_tokens)
+        else:
+            prompt = self._prompts.build(index, req.prompt_tokens)
         body: dict[str, Any] = {
             "model": cfg.model,
             "prompt": prompt,

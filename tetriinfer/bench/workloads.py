@@ -50,6 +50,7 @@ HEAVY_DECODE_TOKENS = 128
 CLASS_NAMES: tuple[str, ...] = ("lpld", "lphd", "hpld", "hphd", "mixed")
 AZURE_CONV_FILENAME = "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE_CONV_FILENAME = "mooncake_conversation_trace.jsonl"
+TRACE_HASH_BLOCK_TOKENS = 512  # Mooncake's traces name each 512-token block of a prompt by a hash id
 SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "azure_conv_sample.csv"
 
 
@@ -69,6 +70,8 @@ class WorkloadRequest:
     prompt_text: str | None = None
     rejected: bool = False
     reject_reason: str | None = None
+    prefix_blocks: tuple[int, ...] = ()  # trace hash ids of the prompt's blocks (Mooncake): equal ids, equal tokens
+    prefix_block_tokens: int = 0  # tokens per such block (Mooncake: 512, times the workload's length scale)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -81,6 +84,8 @@ class WorkloadRequest:
             raise ValueError(f"{self.request_id}: output_tokens must be >= 0, got {self.output_tokens}")
         if self.rejected and not self.reject_reason:
             raise ValueError(f"{self.request_id}: a rejected request needs a reject_reason")
+        if self.prefix_blocks and self.prefix_block_tokens < 1:
+            raise ValueError(f"{self.request_id}: prefix_blocks need prefix_block_tokens >= 1")
 
     @property
     def workload_class(self) -> str:
@@ -95,11 +100,13 @@ class WorkloadRequest:
             "prompt_text": self.prompt_text,
             "rejected": self.rejected,
             "reject_reason": self.reject_reason,
+            "prefix_blocks": list(self.prefix_blocks),
+            "prefix_block_tokens": self.prefix_block_tokens,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkloadRequest:
-        return cls(**data)
+        return cls(**{**data, "prefix_blocks": tuple(data.get("prefix_blocks") or ())})
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ class TraceRow:
     timestamp_s: float
     prompt_tokens: int
     output_tokens: int
+    hash_ids: tuple[int, ...] = ()  # Mooncake: one id per 512-token block of the prompt; equal ids, equal content
 
 
 @dataclass(frozen=True)
@@ -243,7 +251,8 @@ def _rows_from_jsonl(path: Path, text: str) -> list[TraceRow]:
             rec = json.loads(line)
             rows.append(
                 TraceRow(
-                    float(rec["timestamp"]) / 1000.0, int(rec["input_length"]), int(rec["output_length"])
+                    float(rec["timestamp"]) / 1000.0, int(rec["input_length"]), int(rec["output_length"]),
+                    tuple(int(h) for h in rec.get("hash_ids") or ()),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -353,6 +362,7 @@ def load_workload(
     max_output_tokens: int | None = None,
     max_context: int | None = None,
     length_source: str | os.PathLike[str] | None = None,
+    length_scale: float = 1.0,
 ) -> Workload:
     """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed`` or ``trace:FILE``.
 
@@ -368,7 +378,11 @@ def load_workload(
     - ``max_context``: requests with ``prompt + output > max_context`` are kept but marked rejected.
     - ``length_source``: trace file the classes resample from (``azure`` default, ``mooncake``,
       ``sample`` or a path).
+    - ``length_scale``: traces only: multiply prompt and output lengths (and a Mooncake trace's hash-block size,
+      so shared prefixes stay shared) by this, before the caps: replays a long-context trace on a small model.
     """
+    if not (length_scale > 0 and math.isfinite(length_scale)):
+        raise ValueError(f"length_scale must be a positive finite number, got {length_scale}")
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if rate is not None and not (rate > 0 and math.isfinite(rate)):
@@ -392,8 +406,11 @@ def load_workload(
             max_prompt_tokens,
             max_output_tokens,
             max_context,
+            length_scale,
         )
     key = key.lower()
+    if length_scale != 1.0:
+        raise ValueError("length_scale applies only to trace:FILE workloads")
     if key not in CLASS_NAMES:
         raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(CLASS_NAMES)} or trace:FILE")
     if trace_timescale is not None:
@@ -439,6 +456,7 @@ def _trace_workload(
     max_prompt: int | None,
     max_output: int | None,
     max_context: int | None,
+    length_scale: float = 1.0,
 ) -> Workload:
     if not path:
         raise ValueError("trace workload needs a file: trace:FILE")
@@ -462,8 +480,13 @@ def _trace_workload(
             process = "burst"
     requests: list[WorkloadRequest] = []
     clipped = 0
+    block_tokens = max(1, round(TRACE_HASH_BLOCK_TOKENS * length_scale))
+    if length_scale != 1.0:
+        notes.append(f"lengths scaled by {length_scale:g} (hash blocks of {block_tokens} tokens)")
     for i, (row, t) in enumerate(zip(rows, arrivals, strict=True)):
         prompt, output = row.prompt_tokens, row.output_tokens
+        if length_scale != 1.0:
+            prompt, output = max(1, round(prompt * length_scale)), max(1, round(output * length_scale))
         if max_prompt is not None and prompt > max_prompt:
             prompt, clipped = max_prompt, clipped + 1
         if max_output is not None and output > max_output:
@@ -478,6 +501,8 @@ def _trace_workload(
                 None,
                 rejected,
                 f"trace row has {prompt} prompt / {output} output tokens" if rejected else None,
+                row.hash_ids,
+                block_tokens if row.hash_ids else 0,
             )
         )
     if clipped:

@@ -131,6 +131,8 @@ class SimResult:
     migrated: int = 0  # requests handed back unstarted and routed again (--rebalance)
     migration: dict[str, Any] = field(default_factory=dict)  # live migration of running decodes (--migrate)
     preemptions: int = 0  # decode instances' preemptions (recompute), every instance that ever ran
+    prefix_hit_tokens: int = 0  # prompt tokens found in a prefix cache (--enable-prefix-caching), all instances
+    prefix_queried_tokens: int = 0  # prompt tokens looked up there
 
     @property
     def resource_s(self) -> float:
@@ -188,11 +190,13 @@ class SimCluster:
         self._open = 0  # sent and not terminal
         self._ended: set[str] = set()
         self.num_kept = 0
+        self._num_prompts = 0
         self.flip_log: list[dict[str, Any]] = []
 
     # ---- construction -------------------------------------------------------------------
     def _make(self, role: str, iid: str, index: int) -> SimInstance:
-        kv = KVCacheManager(self.config.num_kv_blocks, self.config.cluster.block_size)
+        kv = KVCacheManager(self.config.num_kv_blocks, self.config.cluster.block_size,
+                            enable_prefix_caching=self.config.cluster.enable_prefix_caching)
         cls = {"prefill": SimPrefill, "decode": SimDecode, "colocated": SimColocated}[role]
         return cls(iid, kv, self.cost, self, self.config.policies(index))
 
@@ -249,6 +253,9 @@ class SimCluster:
             transfer_bytes=self.links.bytes_sent, events=self.loop.num_events, alive_s=alive,
             scaling=self.scale_log, migrated=self.num_migrated, migration=dict(self.migration_log),
             preemptions=sum(i.scheduler.num_preemptions for i in everyone.values() if isinstance(i, SimDecode)),
+            prefix_hit_tokens=sum(i.kv.prefix_cache_stats()["prefix_cache_hit_tokens"] for i in everyone.values()),
+            prefix_queried_tokens=sum(i.kv.prefix_cache_stats()["prefix_cache_queried_tokens"]
+                                      for i in everyone.values()),
         )
 
     def _fill_closed_loop(self) -> None:
@@ -257,9 +264,22 @@ class SimCluster:
             self._arrive(self._backlog.popleft(), closed_loop=True)
 
     # ---- front end ------------------------------------------------------------------------
+    def _prompt_token_ids(self, wreq: WorkloadRequest) -> list[int]:
+        """Stand-in prompt tokens (no model runs here). Without prefix caching every prompt is the same token;
+        with it, a trace's hash blocks (``WorkloadRequest.prefix_blocks``) become the same tokens wherever the
+        same id appears, and everything else is this request's alone, so only the trace's sharing is found."""
+        n = wreq.prompt_tokens
+        if not self.config.cluster.enable_prefix_caching:
+            return [SAMPLED_TOKEN + 1] * n
+        bt = wreq.prefix_block_tokens
+        ids = [SAMPLED_TOKEN + 2 + h * bt + j for h in wreq.prefix_blocks[: -(-n // bt) if bt else 0]
+               for j in range(bt)][:n]
+        self._num_prompts += 1
+        return ids + [-self._num_prompts] * (n - len(ids))
+
     def _new_request(self, wreq: WorkloadRequest, now: float) -> Request:
         req = Request(
-            request_id=wreq.request_id, prompt_token_ids=[SAMPLED_TOKEN + 1] * wreq.prompt_tokens,
+            request_id=wreq.request_id, prompt_token_ids=self._prompt_token_ids(wreq),
             sampling_params=SamplingParams(max_tokens=wreq.output_tokens, temperature=0.0, ignore_eos=True),
             arrival_time=now, eos_token_id=None,
         )
