@@ -655,6 +655,7 @@ class ClusterEngineClient:
                 stream = self.streams.get(msg.request_id)
                 if stream is not None:  # it holds the request from now on: its failure must end it
                     stream.instances.add(msg.decode_id)
+                    self._fail_if_gone(stream, msg.decode_id)
                 with contextlib.suppress(KeyError, ValueError):
                     self.policy.on_dispatched(msg.request_id, msg.decode_id)
                 target = self.instances.get(msg.decode_id)
@@ -681,6 +682,7 @@ class ClusterEngineClient:
                     stream = self.streams.get(rid)
                     if stream is not None:
                         stream.instances.add(msg.target)
+                        self._fail_if_gone(stream, msg.target)
                     with contextlib.suppress(KeyError, ValueError):
                         self.policy.on_dispatched(rid, msg.target)
             elif isinstance(msg, MigrationDone):
@@ -846,6 +848,15 @@ class ClusterEngineClient:
             info.member.to(MemberState.DEAD, now)
             self.migration.forget(info.instance_id)
             self.rebalancer.forget(info.instance_id)
+
+    def _fail_if_gone(self, stream: _Stream, instance_id: str) -> None:
+        """A request handed to an instance that already died (and, with --replace-dead, left the table) ends now
+        with an error, not when the handover times out; the instances still holding it free it."""
+        info = self.instances.get(instance_id)
+        if stream.finished or (info is not None and info.member.state is not MemberState.DEAD):
+            return
+        self._finish_stream(stream, "error", error=f"instance {instance_id} died")
+        self._tasks.append(asyncio.create_task(self._broadcast_aborts([stream.request_id])))
 
     def _fail_streams_of_dead(self) -> None:
         names = {i.instance_id for i in self.instances.values() if i.member.state is MemberState.DEAD}
