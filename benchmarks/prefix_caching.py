@@ -9,8 +9,9 @@ they fit the tiny model, and sends them open-loop with Poisson arrivals at `--ra
 block by block from the hash ids (`PromptBuilder.build_from_blocks`), so a later turn starts with exactly the
 tokens of the earlier turn's prompt, as in the trace. Output tokens are forced (`ignore_eos`).
 
-Columns: each `--modes` entry once without and once with `--enable-prefix-caching` (same cores, same KV pool).
-Reported: TTFT / JCT mean and p99, the prompt tokens the server found cached (`/cluster`), the instances' busy
+Columns: each `--modes` entry without and with `--enable-prefix-caching` (same cores, same KV pool); colocated
+(2 instances) also with caching but `--no-prefix-routing` (least-loaded routing, blind to where prefixes are
+cached). Reported: TTFT / JCT mean and p99, the prompt tokens the server found cached (`/cluster`), the instances' busy
 seconds, and the ratios cached / uncached.
 
     python benchmarks/prefix_caching.py --out docs/prefix_caching.md
@@ -89,12 +90,24 @@ def ideal_hit_fraction(workload: Workload) -> float:
     return hit / total
 
 
-def run_column(model: str, mode: str, cached: bool, workload: Workload) -> dict[str, Any]:
-    flag = "--enable-prefix-caching" if cached else "--no-enable-prefix-caching"
-    with serve(model, MODES[mode][1], [*MODES[mode][2:], *COMMON, flag], startup_timeout_s=600) as url:
+VARIANTS = {
+    "uncached": ["--no-enable-prefix-caching"],
+    "cached, least-loaded routing": ["--enable-prefix-caching", "--no-prefix-routing"],
+    "cached": ["--enable-prefix-caching"],
+}
+
+
+def variants(mode: str) -> list[str]:
+    """Routing matters only with more than one instance that prefills."""
+    return list(VARIANTS) if mode == "colocated" else ["uncached", "cached"]
+
+
+def run_column(model: str, mode: str, variant: str, workload: Workload) -> dict[str, Any]:
+    flags = VARIANTS[variant]
+    with serve(model, MODES[mode][1], [*MODES[mode][2:], *COMMON, *flags], startup_timeout_s=600) as url:
         config = ClientConfig(base_url=url, model=served_model_id(url), progress=False)
         before = httpx.get(f"{url}/cluster", timeout=30).json()
-        result = run_benchmark(config, workload, label=f"{mode} {flag}")
+        result = run_benchmark(config, workload, label=f"{mode} {variant}")
         time.sleep(1.5)  # one more load report from every instance
         after = httpx.get(f"{url}/cluster", timeout=30).json()
 
@@ -138,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                                args.max_prompt_tokens, args.rate, args.seed)
     ideal = ideal_hit_fraction(wl)
     rows: dict[str, dict[str, Any]] = {}
-    columns = [(m, c) for m in modes for c in (False, True)]
+    columns = [(m, v) for m in modes for v in variants(m)]
     started = time.time()
-    for mode, cached in tqdm(columns, desc="columns"):
-        rows[f"{mode} {'cached' if cached else 'uncached'}"] = run_column(args.model, mode, cached, wl)
+    for mode, variant in tqdm(columns, desc="columns"):
+        rows[f"{mode} {variant}"] = run_column(args.model, mode, variant, wl)
     prompt_tokens = sum(r.prompt_tokens for r in wl.requests)
     lines = [
         "# Automatic prefix caching on multi-turn conversations (real runtime, tiny model, this machine)", "",
@@ -163,12 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | {r['ttft_mean']:.3f} | {r['ttft_p99']:.3f} | {r['jct_mean']:.3f} | "
                      f"{r['jct_p99']:.3f} | {1000 * r['tpot_mean']:.1f} | {hit} | {r['busy_s']:.1f} | "
                      f"{r['completed']} | {r['failed']} |")
-    lines += ["", "## Cached / uncached", "", "| mode | TTFT mean | TTFT p99 | JCT mean | busy s |",
+    lines += ["", "## Ratios to the same mode uncached", "", "| column | TTFT mean | TTFT p99 | JCT mean | busy s |",
               "|---|---:|---:|---:|---:|"]
-    for mode in modes:
-        a, b = rows[f"{mode} uncached"], rows[f"{mode} cached"]
-        lines.append(f"| {mode} | {b['ttft_mean'] / a['ttft_mean']:.2f}x | {b['ttft_p99'] / a['ttft_p99']:.2f}x | "
-                     f"{b['jct_mean'] / a['jct_mean']:.2f}x | {b['busy_s'] / max(a['busy_s'], 1e-9):.2f}x |")
+    for mode, variant in columns:
+        if variant == "uncached":
+            continue
+        a, b = rows[f"{mode} uncached"], rows[f"{mode} {variant}"]
+        lines.append(f"| {mode} {variant} | {b['ttft_mean'] / a['ttft_mean']:.2f}x | "
+                     f"{b['ttft_p99'] / a['ttft_p99']:.2f}x | {b['jct_mean'] / a['jct_mean']:.2f}x | "
+                     f"{b['busy_s'] / max(a['busy_s'], 1e-9):.2f}x |")
     report = publish_markdown(lines, None)
     if args.out:
         out = Path(args.out)
@@ -184,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in rows.items():
             xs = np.sort(np.asarray(r["ttfts"]))
             ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name,
-                    linestyle="-" if name.endswith(" cached") else "--")
+                    linestyle="--" if name.endswith("uncached") else "-")
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")

@@ -141,3 +141,46 @@ def test_without_an_accepting_prefill_instance_a_decode_instance_prefills() -> N
     off = GlobalPolicy()
     off.add("a", now=0.0, num_prompt_tokens=100)
     assert off.route("a", [prefill("p0", 0, state=InstanceState.FLIPPING), decode("d0")], now=0.0) is None
+
+
+# ---- prefix-aware routing (core.prefix_affinity) ------------------------------------------------------------------
+def test_prefix_routing_sends_a_shared_prefix_back_unless_that_instance_is_backed_up_more_than_it_saves() -> None:
+    from tetriinfer.core.prefix_affinity import PrefixAffinity
+
+    g = GlobalPolicy(affinity=PrefixAffinity(16))
+    system = list(range(160))  # 10 full blocks
+    g.add("a", 0.0, 170, prompt_token_ids=system + [500] * 10)
+    assert g.route("a", [prefill("p0", 0, t=1.0), prefill("p1", 0, t=1.0)], now=0.5) == "p0"
+    # p1 is less loaded, but p0 holds the 160-token prefix: 40 queued + 10 uncached < 0 queued + 170 uncached
+    g.add("b", 1.1, 170, prompt_token_ids=system + [600] * 10)
+    assert g.route("b", [prefill("p0", 40, t=1.0), prefill("p1", 0, t=1.0)], now=1.1) == "p0"
+    assert g._extra(prefill("p0", 40, t=1.0)) == 170 - 160  # charged only what it must compute
+    # backed up by more than the cache saves: least-loaded wins
+    g.add("c", 1.2, 170, prompt_token_ids=system + [700] * 10)
+    assert g.route("c", [prefill("p0", 400, t=1.15), prefill("p1", 0, t=1.15)], now=1.2) == "p1"
+    # without affinity: plain least-loaded, whatever was routed before
+    plain = GlobalPolicy()
+    plain.add("a", 0.0, 170, prompt_token_ids=system + [500] * 10)
+    plain.route("a", [prefill("p0", 0, t=1.0), prefill("p1", 0, t=1.0)], now=0.5)
+    plain.add("b", 1.1, 170, prompt_token_ids=system + [600] * 10)
+    assert plain.route("b", [prefill("p0", 40, t=1.0), prefill("p1", 0, t=1.0)], now=1.1) == "p1"
+    # a forgotten instance (left or flipped) holds nothing any more
+    g.forget_instance("p0")
+    g.add("d", 2.0, 170, prompt_token_ids=system + [800] * 10)
+    assert g.route("d", [prefill("p0", 1, t=2.0), prefill("p1", 0, t=2.0)], now=2.0) == "p1"
+
+
+def test_prefix_affinity_names_usable_blocks_and_keeps_only_what_fits() -> None:
+    from tetriinfer.core.prefix_affinity import PrefixAffinity
+    from tetriinfer.core.prefix_cache import block_digests
+
+    aff = PrefixAffinity(4)
+    assert aff.digests(list(range(8))) == tuple(block_digests(list(range(4)), 4))  # never the block of the last token
+    assert len(aff.digests(list(range(9)))) == 2
+    a, b = aff.digests(list(range(13))), aff.digests(list(range(8)) + [99] * 5)
+    aff.record("x", a, capacity=None)
+    assert aff.matched_tokens("x", a) == 12 and aff.matched_tokens("x", b) == 8 and aff.matched_tokens("y", a) == 0
+    aff.record("x", b, capacity=2)  # a pool of 2 blocks: the newest prompt's head survives, tails go first
+    assert aff.num_known("x") == 2 and aff.matched_tokens("x", b) == 8 and aff.matched_tokens("x", a) == 8
+    with pytest.raises(ValueError):
+        PrefixAffinity(0)

@@ -7,7 +7,10 @@ ARRIVED -> PREFILL (routed to a prefill instance: queued, predicted, chunks pref
 Routing: each request goes to the least-loaded ACTIVE prefill instance (draining or flipping
 instances are skipped). Load = prompt tokens still to prefill from the instance's latest report plus
 the tokens this policy routed there after that report was built (so a burst between two reports is
-spread instead of piling onto one instance); ties by instance id.
+spread instead of piling onto one instance); ties by instance id. With prefix-aware routing
+(``core.prefix_affinity``, on with prefix caching), the key is that backlog plus the request's own prompt tokens
+*not* already cached at the instance (as far as the front end knows), and what an instance is charged for a
+routed request is only its uncached part.
 
 Conditional disaggregation (``LocalPrefillConfig``, off by default; Dynamo's "prefill locally when the
 remote queue is long", Splitwise's mixed pool): a request may instead be prefilled *on a decode
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tetriinfer.core.load import LoadReport, Role, accepting, load_key
+from tetriinfer.core.prefix_affinity import PrefixAffinity
 
 
 class Phase(enum.Enum):
@@ -63,6 +67,7 @@ class RequestRecord:
     finish_time: float | None = None
     num_output_tokens: int = 0
     finish_reason: str | None = None
+    prefix_digests: tuple[bytes, ...] = ()  # block names for prefix-aware routing (empty: not used)
 
     @property
     def ttft(self) -> float | None:
@@ -107,8 +112,10 @@ class LocalPrefillConfig:
 
 
 class GlobalPolicy:
-    def __init__(self, local_prefill: LocalPrefillConfig | None = None) -> None:
+    def __init__(self, local_prefill: LocalPrefillConfig | None = None,
+                 affinity: PrefixAffinity | None = None) -> None:
         self.local_prefill = local_prefill or LocalPrefillConfig()
+        self.affinity = affinity  # prefix-aware routing when set
         self._table: dict[str, RequestRecord] = {}
         self._routed: dict[str, list[tuple[float, int]]] = {}  # instance -> (routed at, tokens)
         self.num_local_prefills = 0
@@ -116,12 +123,16 @@ class GlobalPolicy:
     def add(
         self, request_id: str, now: float, num_prompt_tokens: int,
         ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> RequestRecord:
+        """A new ARRIVED request; ``prompt_token_ids`` (needed only for prefix-aware routing) name its blocks."""
         if request_id in self._table:
             raise ValueError(f"duplicate request id {request_id!r}")
         if num_prompt_tokens < 1:
             raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
         rec = RequestRecord(request_id, now, num_prompt_tokens, ttft_slo_s, tpot_slo_s)
+        if self.affinity is not None and prompt_token_ids is not None:
+            rec.prefix_digests = self.affinity.digests(prompt_token_ids)
         self._table[request_id] = rec
         return rec
 
@@ -142,16 +153,26 @@ class GlobalPolicy:
         return self._table.pop(request_id)
 
     # ---- routing ---------------------------------------------------------------------------
-    def pick_prefill(self, loads: Sequence[LoadReport]) -> str | None:
-        """The least-loaded ACTIVE prefill instance (None if none accepts); pure, records nothing."""
+    def pick_prefill(self, loads: Sequence[LoadReport], digests: Sequence[bytes] = ()) -> str | None:
+        """The least-loaded ACTIVE prefill instance (None if none accepts); with prefix-aware routing and block
+        names, the one where backlog + this prompt's uncached tokens is least. Pure, records nothing."""
         cands = accepting(loads, Role.PREFILL)
         if not cands:
             return None
 
         def key(r: LoadReport) -> tuple[float, int, str]:
-            return load_key(r, extra_tokens=self._extra(r))
+            return load_key(r, extra_tokens=self._extra(r) - self._cached(r.instance_id, digests))
 
         return min(cands, key=key).instance_id
+
+    def _cached(self, instance_id: str, digests: Sequence[bytes]) -> int:
+        return self.affinity.matched_tokens(instance_id, digests) if self.affinity is not None and digests else 0
+
+    def forget_instance(self, instance_id: str) -> None:
+        """The instance left or changed role: its routing history (and cache model) no longer applies."""
+        self._routed.pop(instance_id, None)
+        if self.affinity is not None:
+            self.affinity.forget(instance_id)
 
     def _extra(self, report: LoadReport) -> int:
         """Prompt tokens routed to ``report``'s instance after the report was built."""
@@ -186,7 +207,7 @@ class GlobalPolicy:
         for r in loads:  # forget routings already reflected in a newer report
             if r.instance_id in self._routed:
                 self._routed[r.instance_id] = [(t, n) for t, n in self._routed[r.instance_id] if t > r.time]
-        iid = self.pick_prefill(loads)
+        iid = self.pick_prefill(loads, rec.prefix_digests)
         local = self.pick_local(rec.num_prompt_tokens, loads, iid)
         if local is not None:
             self._routed.setdefault(local, []).append((now, rec.num_prompt_tokens))
@@ -196,7 +217,11 @@ class GlobalPolicy:
             return local
         if iid is None:
             return None
-        self._routed.setdefault(iid, []).append((now, rec.num_prompt_tokens))
+        cached = self._cached(iid, rec.prefix_digests)
+        self._routed.setdefault(iid, []).append((now, rec.num_prompt_tokens - cached))
+        if self.affinity is not None and rec.prefix_digests:
+            report = next(r for r in loads if r.instance_id == iid)
+            self.affinity.record(iid, rec.prefix_digests, report.num_blocks or None)
         rec.phase = Phase.PREFILL
         rec.prefill_instance = iid
         return iid

@@ -138,7 +138,7 @@ class ClusterEngineClient:
         self.streams: dict[str, _Stream] = {}
         self.policy = GlobalPolicy(LocalPrefillConfig(
             enabled=config.local_prefill and config.disaggregated, interference_weight=config.local_prefill_weight,
-        ))
+        ), config.prefix_affinity())
         self.flip_policy = FlipPolicy(
             FlipConfig(enabled=config.flip, threshold=config.flip_threshold, window_s=config.flip_window_s,
                        decode_load=config.flip_decode_load, busy_threshold=config.flip_busy_threshold,
@@ -382,6 +382,7 @@ class ClusterEngineClient:
             self.flip_policy.remove(info.instance_id)
         self.rebalancer.forget(info.instance_id)
         self.migration.forget(info.instance_id)
+        self.policy.forget_instance(info.instance_id)
 
     async def _autoscale(self, cmd: ScaleCommand) -> None:
         """Carry out one autoscaling command; the policy hears once when it is done (an ADD: its instances serve; a
@@ -527,7 +528,7 @@ class ClusterEngineClient:
             oracle_output_tokens = params.max_tokens  # the output length is known exactly (oracle ablations)
         stream = _Stream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
-        self.policy.add(request_id, time.time(), len(prompt_token_ids))
+        self.policy.add(request_id, time.time(), len(prompt_token_ids), prompt_token_ids=prompt_token_ids)
         try:
             target = await self._route(request_id)
             stream.instances.add(target)
@@ -765,6 +766,7 @@ class ClusterEngineClient:
         old = info.role
         info.role = msg.role
         info.flips += 1
+        self.policy.forget_instance(msg.instance_id)  # its routing history and cache model are of the old role
         rec = self.flip_policy.on_switched(msg.instance_id, time.time())
         entry = {"instance": msg.instance_id, "from": old, "to": msg.role, "drain_s": msg.drain_s,
                  "switch_s": msg.switch_s, "total_s": rec.total_s if rec else None, "time": time.time()}

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from tetriinfer.core.migration import MigrationConfig
+from tetriinfer.core.prefix_affinity import PrefixAffinity
 from tetriinfer.core.rebalance import RebalanceConfig
 from tetriinfer.core.scale_policy import ScaleConfig
 
@@ -56,6 +57,7 @@ class ClusterConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = 1.0
     enable_prefix_caching: bool = False  # prefill and colocated instances reuse cached prompt blocks
+    prefix_routing: bool = True  # with prefix caching: route to where a prompt's blocks are cached (affinity)
     max_num_seqs: int = 256
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
@@ -164,6 +166,10 @@ class ClusterConfig:
         return MigrationConfig(enabled=self.migrate, signal=self.migrate_signal, high=self.migrate_high,
                                low=self.migrate_low, min_gap=self.migrate_min_gap,
                                max_per_move=self.migrate_max_per_move)
+
+    def prefix_affinity(self) -> PrefixAffinity | None:
+        """The global scheduler's cache model for prefix-aware routing (None: plain least-loaded routing)."""
+        return PrefixAffinity(self.block_size) if self.enable_prefix_caching and self.prefix_routing else None
 
     def scale_config(self) -> ScaleConfig:
         return ScaleConfig(enabled=self.autoscale, high=self.autoscale_high, low=self.autoscale_low,

@@ -149,6 +149,7 @@ class SimResult:
 class _Tracked:
     wreq: WorkloadRequest
     record: RequestRecord
+    prompt_token_ids: list[int] | None = None  # made once, at arrival
 
 
 class SimCluster:
@@ -161,7 +162,8 @@ class SimCluster:
         self.loop = EventLoop()
         self.links = Links(config.link_bandwidth, config.link_latency)
         self.policy = GlobalPolicy(LocalPrefillConfig(enabled=c.local_prefill and c.disaggregated,
-                                                      interference_weight=c.local_prefill_weight))
+                                                      interference_weight=c.local_prefill_weight),
+                                   c.prefix_affinity())
         self.flips = FlipPolicy(FlipConfig(enabled=c.flip and c.disaggregated, threshold=c.flip_threshold,
                                            window_s=c.flip_window_s, decode_load=c.flip_decode_load,
                                            busy_threshold=c.flip_busy_threshold, idle_by=c.flip_idle_by))
@@ -278,8 +280,11 @@ class SimCluster:
         return ids + [-self._num_prompts] * (n - len(ids))
 
     def _new_request(self, wreq: WorkloadRequest, now: float) -> Request:
+        t = self._tracked[wreq.request_id]
+        if t.prompt_token_ids is None:
+            t.prompt_token_ids = self._prompt_token_ids(wreq)
         req = Request(
-            request_id=wreq.request_id, prompt_token_ids=self._prompt_token_ids(wreq),
+            request_id=wreq.request_id, prompt_token_ids=t.prompt_token_ids,
             sampling_params=SamplingParams(max_tokens=wreq.output_tokens, temperature=0.0, ignore_eos=True),
             arrival_time=now, eos_token_id=None,
         )
@@ -298,7 +303,9 @@ class SimCluster:
             t.record.arrival_s = now
         t.record.send_s = now
         self._in_flight += 1
-        self.policy.add(rid, now, t.wreq.prompt_tokens)
+        if t.prompt_token_ids is None:
+            t.prompt_token_ids = self._prompt_token_ids(t.wreq)
+        self.policy.add(rid, now, t.wreq.prompt_tokens, prompt_token_ids=t.prompt_token_ids)
         if self.config.frontend_delay_s > 0:
             self.loop.after(self.config.frontend_delay_s, lambda: self._enqueue(rid))
         else:
@@ -582,6 +589,7 @@ class SimCluster:
                 raise AssertionError(f"{iid} retires holding KV blocks")
             self._retiring.discard(iid)
             del self.instances[iid]
+            self.policy.forget_instance(iid)
             self._retired[iid] = inst
             self._alive_s[iid] = now - self._started_at[iid]
             for entry in self.scale_log:
@@ -597,6 +605,7 @@ class SimCluster:
             new = self._make(to_role.value, inst.iid, list(self._started_at).index(inst.iid))
             new.busy_s, new.steps = inst.busy_s, inst.steps
             self.instances[inst.iid] = new
+            self.policy.forget_instance(inst.iid)  # a new KV pool: nothing cached
             rec = self.flips.on_switched(inst.iid, self.loop.now)
             self.flip_log.append({"instance": inst.iid, "from": rec.from_role.value, "to": rec.to_role.value,
                                   "decided_s": rec.decided_at, "drained_s": rec.drained_at,
