@@ -155,6 +155,8 @@ def test_config_validation() -> None:
         sbs.SideBySideConfig("m", ("lpld",), cols, rate_fractions=(0.7, 0.7))
     with pytest.raises(ValueError, match="--rate auto"):
         sbs.SideBySideConfig("m", ("lpld",), cols, rate=1.0, rate_fractions=(0.7, 1.0))
+    with pytest.raises(ValueError, match="length_scale"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, length_scale=0.0)
     one = sbs.SideBySideConfig("m", ("lpld",), cols)
     sweep = sbs.SideBySideConfig("m", ("lpld",), cols, rate_fractions=(0.7, 1.3))
     assert one.cell_key("lpld", 0.7) == "lpld" and sweep.cell_key("lpld", 1.3) == "lpld@130%"
@@ -488,3 +490,18 @@ def test_tiny_real_side_by_side(tiny_llama: Path, tmp_path: Path) -> None:
     assert floor["requests"] == 4 and 0 < floor["mean_s"] <= cells["colocated"]["ttft_mean"] * 3
     assert floor["mean_s"] < floor["jct_mean_s"] <= cells["colocated"]["jct_mean"] * 3
     assert "| lpld | tetriinfer |" in md.read_text() and "## Floor" in md.read_text()
+
+
+def test_length_scale_scales_trace_workloads_only() -> None:
+    """--length-scale shrinks a trace's lengths and hash blocks; synthetic classes keep their own lengths."""
+    trace = "trace:" + str(Path(__file__).parent / "fixtures" / "mooncake_conv_head30.jsonl")
+    cols = sbs.parse_columns("tetriinfer,colocated")
+    unclipped = {"max_prompt_tokens": None, "max_output_tokens": None}
+    full = sbs.SideBySide(sbs.SideBySideConfig("m", (trace,), cols, **unclipped))._workload(trace, 10, None, 0)
+    quarter = sbs.SideBySide(sbs.SideBySideConfig("m", (trace, "lpld"), cols, length_scale=0.25, **unclipped))
+    small = quarter._workload(trace, 10, None, 0)
+    for a, b in zip(full.requests, small.requests, strict=True):
+        assert b.prompt_tokens == max(1, round(a.prompt_tokens * 0.25))
+        assert b.output_tokens == max(1, round(a.output_tokens * 0.25))
+        assert b.prefix_blocks == a.prefix_blocks and b.prefix_block_tokens == 128
+    assert quarter._workload("lpld", 5, 1.0, 0).requests  # a synthetic class is not rejected by the scale

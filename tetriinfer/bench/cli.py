@@ -316,6 +316,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         arrival=args.arrival,
         burstiness_cv=args.burstiness_cv,
         length_source=args.length_source,
+        length_scale=args.length_scale,
         seed=args.seed,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e),
         request_timeout_s=args.request_timeout,
@@ -392,6 +393,8 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     p.add_argument("--burstiness-cv", type=float, default=1.0)
     p.add_argument("--length-source", default=None)
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="trace:FILE workloads: multiply lengths (and a Mooncake trace's 512-token hash blocks) by S")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=None, metavar="MS")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS")

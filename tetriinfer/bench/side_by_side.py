@@ -124,6 +124,7 @@ class SideBySideConfig:
     arrival: str = "poisson"
     burstiness_cv: float = 1.0
     length_source: str | None = None
+    length_scale: float = 1.0  # trace workloads: lengths (and Mooncake hash blocks) times this
     seed: int = 0
     slo: SLO = field(default_factory=SLO)
     request_timeout_s: float = 900.0
@@ -136,6 +137,8 @@ class SideBySideConfig:
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("side-by-side needs at least one workload")
+        if not (self.length_scale > 0 and math.isfinite(self.length_scale)):
+            raise ValueError(f"length_scale must be a positive finite number, got {self.length_scale}")
         if len(set(self.workloads)) != len(self.workloads):
             raise ValueError(f"workloads given twice: {self.workloads}")
         labels = [c.label for c in self.columns]
@@ -735,6 +738,7 @@ class SideBySide:
             max_output_tokens=c.max_output_tokens,
             max_context=c.max_context,
             length_source=c.length_source,
+            length_scale=c.length_scale if is_trace else 1.0,
         )
 
     def _client_options(self, column: Column) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
         probe_requests=args.probe_requests, probe_concurrency=args.probe_concurrency, instances=args.instances,
         prefill_instances=args.prefill_instances, max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens, arrival=args.arrival, burstiness_cv=args.burstiness_cv,
-        length_source=args.length_source, seed=args.seed, link_bandwidth=args.link_bandwidth,
+        length_source=args.length_source, length_scale=args.length_scale, seed=args.seed, link_bandwidth=args.link_bandwidth,
         link_latency=args.link_latency, predictor_accuracy=args.predictor_accuracy,
         frontend_delay_s=args.frontend_delay_ms / 1e3, scale_out_s=args.scale_out_s, floor=not args.no_floor,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e), progress=not args.no_progress,
@@ -131,7 +131,7 @@ def _placement(args: argparse.Namespace) -> int:
         num_requests=args.num_requests, min_duration_s=args.min_duration_s, probe_requests=args.probe_requests,
         probe_concurrency=args.probe_concurrency, rel_tol=args.rel_tol, arrival=args.arrival,
         burstiness_cv=args.burstiness_cv, max_prompt_tokens=args.max_prompt_tokens,
-        max_output_tokens=args.max_output_tokens, length_source=args.length_source, seed=args.seed,
+        max_output_tokens=args.max_output_tokens, length_source=args.length_source, length_scale=args.length_scale, seed=args.seed,
         link_bandwidth=args.link_bandwidth, link_latency=args.link_latency,
         predictor_accuracy=args.predictor_accuracy, frontend_delay_s=args.frontend_delay_ms / 1e3,
         target_rate=args.target_rate, progress=not args.no_progress,
@@ -181,6 +181,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
     p.add_argument("--burstiness-cv", type=float, default=1.0)
     p.add_argument("--length-source", default=None)
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="trace:FILE workloads: multiply lengths (and a Mooncake trace's 512-token hash blocks) by S")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--link-bandwidth", default="200Gbps")
     p.add_argument("--link-latency", default="0")

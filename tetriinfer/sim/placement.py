@@ -196,6 +196,7 @@ class PlacementConfig:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
     length_source: str | None = None
+    length_scale: float = 1.0  # trace workloads: lengths (and Mooncake hash blocks) times this
     seed: int = 0
     link_bandwidth: str | float = "200Gbps"
     link_latency: str | float = 0.0
@@ -208,6 +209,8 @@ class PlacementConfig:
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("give at least one workload")
+        if not (self.length_scale > 0 and math.isfinite(self.length_scale)):
+            raise ValueError(f"length_scale must be a positive finite number, got {self.length_scale}")
         if not self.layouts:
             raise ValueError("give at least one layout")
         if self.slo.ttft_ms is None and self.slo.e2e_ms is None:
@@ -244,7 +247,7 @@ class PlacementSearch:
         return load_workload(name, n, rate, seed, arrival="trace" if is_trace and rate is None else c.arrival,
                              burstiness_cv=c.burstiness_cv, max_prompt_tokens=c.max_prompt_tokens,
                              max_output_tokens=c.max_output_tokens, max_context=c.max_model_len,
-                             length_source=c.length_source)
+                             length_source=c.length_source, length_scale=c.length_scale if is_trace else 1.0)
 
     def _simulate(self, cluster: ClusterConfig, wl: Workload, max_concurrency: int | None = None) -> list[Any]:
         c = self.config

@@ -15,6 +15,7 @@ A simulation is deterministic: the same inputs give the same numbers, so there a
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,7 @@ class SimSideBySideConfig:
     arrival: str = "poisson"
     burstiness_cv: float = 1.0
     length_source: str | None = None
+    length_scale: float = 1.0  # trace workloads: lengths (and Mooncake hash blocks) times this
     seed: int = 0
     link_bandwidth: str | float = "200Gbps"
     link_latency: str | float = 0.0
@@ -76,6 +78,8 @@ class SimSideBySideConfig:
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("give at least one workload")
+        if not (self.length_scale > 0 and math.isfinite(self.length_scale)):
+            raise ValueError(f"length_scale must be a positive finite number, got {self.length_scale}")
         labels = [c.label for c in self.columns]
         if BASELINE not in labels:
             raise ValueError(f"the columns need the baseline {BASELINE!r} (got {labels})")
@@ -140,6 +144,7 @@ class SimSideBySide:
             arrival="trace" if is_trace and not burst else c.arrival, burstiness_cv=c.burstiness_cv,
             max_prompt_tokens=c.max_prompt_tokens, max_output_tokens=c.max_output_tokens,
             max_context=c.max_model_len, length_source=c.length_source,
+            length_scale=c.length_scale if is_trace else 1.0,
         )
 
     def simulate(self, cluster: ClusterConfig, wl: Workload, **over: Any) -> SimResult:
