@@ -236,3 +236,42 @@ def test_property_matched_kv_is_always_the_right_kv(
     assert ended == {f"r{i}" for i in range(len(prompts))}
     assert kv.num_free_blocks == num_blocks
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sarathi", "local", "prefill"])
+def test_each_prompt_is_looked_up_once_however_long_it_waits(kind: str) -> None:
+    """Eight requests (two sharing a 16-token stem) arrive together behind a 16-token budget, so most wait
+    several steps (the vLLM policy matches a waiting request and gives the match back each step it is not
+    admitted): without preemption, the tokens looked up are exactly the prompts' and the hits are the stem's."""
+    kv = KVCacheManager(256, BS, enable_prefix_caching=True)
+    if kind == "prefill":
+        sched = PrefillScheduler(PrefillSchedulerConfig(chunk_size=16, pad_last_chunk=False, max_model_len=512), kv)
+    else:
+        sched = make(kind, kv, 16)
+    stem = list(range(100, 116))
+    sched.add_request(req("first", stem + [1, 2, 3], max_tokens=2))
+    while sched.has_unfinished() and kv.prefix_cache is not None and not kv.prefix_cache.hit_tokens:
+        out = sched.schedule()
+        upd = sched.update(out, StepResult(out.step_id, {s.request_id: 9 for s in out.segments if s.sample}))
+        if kind == "prefill":
+            for r in upd.prefilled:
+                sched.release(r.request_id)
+        if not sched.has_unfinished():
+            break
+    reqs = [req(f"r{i}", [200 + 20 * i + k for k in range(12)], max_tokens=2) for i in range(6)]
+    reqs.append(req("again", stem + [7], max_tokens=2))
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        upd = sched.update(out, StepResult(out.step_id, {s.request_id: 9 for s in out.segments if s.sample}))
+        if kind == "prefill":
+            for r in upd.prefilled:
+                sched.release(r.request_id)
+    assert not sched.has_unfinished() and all(r.num_preemptions == 0 for r in reqs)
+    assert kv.prefix_cache is not None
+    assert kv.prefix_cache.queried_tokens == 19 + sum(r.num_prompt_tokens for r in reqs)
+    assert kv.prefix_cache.hit_tokens == 16
+    assert kv.num_free_blocks == 256

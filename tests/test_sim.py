@@ -576,3 +576,25 @@ def test_simulated_prefix_routing_keeps_conversations_on_the_instance_that_cache
     assert runs[True].prefix_hit_tokens >= 0.9 * ideal  # (measured: 97%; one turn goes elsewhere for load)
     assert runs[False].prefix_hit_tokens <= 0.6 * ideal  # (measured: 50%)
     assert runs[True].resource_s < runs[False].resource_s
+
+
+def test_simulated_side_by_side_reports_prefix_hits_on_a_scaled_mooncake_trace() -> None:
+    """A trace column with --enable-prefix-caching reports the prompt tokens its cache found (details and the
+    markdown note); the same mode without it queries nothing; --length-scale shrinks the trace's lengths."""
+    trace = "trace:" + str(Path(__file__).parent / "fixtures" / "mooncake_conv_head30.jsonl")
+    cols = parse_columns("colocated,tetriinfer,apc=tetriinfer", [], ["apc:--enable-prefix-caching"])
+    cfg = SimSideBySideConfig((trace,), cols, num_kv_blocks=800, kv_bytes_per_token=8192, max_model_len=4096,
+                              num_requests=30, rate=2.0, length_scale=1 / 32, floor=False, progress=False,
+                              max_prompt_tokens=None, max_output_tokens=None)
+    result, raw = SimSideBySide(cfg, COST, "test").run()
+    (key,) = result["workloads"]
+    details = result["meta"]["details"][key]
+    assert details["tetriinfer"]["prefix_queried_tokens"] == 0
+    apc = details["apc"]
+    prompts = [r["prompt_tokens"] for r in raw[key]["apc"]["requests"]]
+    # every prompt is looked up at least once (again if it is recomputed after a preemption)
+    assert apc["prefix_queried_tokens"] >= sum(prompts) and 0 < apc["prefix_hit_tokens"] < sum(prompts)
+    assert len(prompts) == 30 and max(prompts) <= 87_169 / 32 + 1  # scaled: the fixture's longest is 87,169
+    assert "apc: prefix cache found" in markdown_report(result)
+    with pytest.raises(ValueError, match="length_scale"):
+        replace(cfg, length_scale=-1.0)

@@ -47,9 +47,7 @@ def build_chunk(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     budget = chunk_size
     slices: list[ChunkSlice] = []
-    for request_id, start, remaining in candidates:
-        if budget == 0:
-            break
+    for request_id, start, remaining in candidates:  # lazily: no candidate is drawn once the chunk is full
         if remaining <= 0:
             continue
         n = min(budget, remaining)
@@ -59,5 +57,7 @@ def build_chunk(
                 break
         slices.append(ChunkSlice(request_id, start, n))
         budget -= n
+        if budget == 0:
+            break
     num_padding = budget if (pad and slices) else 0
     return Chunk(tuple(slices), chunk_size, num_padding)

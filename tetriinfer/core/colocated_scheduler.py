@@ -166,8 +166,7 @@ class _ColocatedBase(Detachable):
     def _release_match(self, req: Request) -> None:
         """Give back the cached prefix a waiting request matched but could not use this step (the vLLM policy's
         waiting requests hold no blocks otherwise)."""
-        self.kv.free_request(req.request_id)
-        req.num_computed_tokens = 0
+        self.kv.unmatch_prefix(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

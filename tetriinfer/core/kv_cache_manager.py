@@ -30,6 +30,8 @@ class KVCacheManager:
         self.prefix_cache: PrefixCache | None = None
         self._digests: dict[str, list[bytes]] = {}  # request -> chained digests of its full blocks known so far
         self._named: dict[str, int] = {}  # request -> how many of its leading blocks ``cache_computed`` named
+        # request -> (tokens looked up, tokens found) by its last ``match_prefix``, until ``free_request``
+        self._lookups: dict[str, tuple[int, int]] = {}
         if enable_prefix_caching:
             self.prefix_cache = PrefixCache()
             self.pool.on_reuse = self.prefix_cache.forget_block
@@ -87,6 +89,7 @@ class KVCacheManager:
         free queue first, so a cached prefix's later blocks are reused before its earlier (more shared) ones."""
         self._digests.pop(request_id, None)
         self._named.pop(request_id, None)
+        self._lookups.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if not table:
             return 0
@@ -117,6 +120,7 @@ class KVCacheManager:
         matchable = (req.num_tokens - 1) // self.block_size
         blocks = cache.longest_match(self._digests_for(req, matchable)) if matchable else []
         cache.record_lookup(req.num_tokens, len(blocks) * self.block_size)
+        self._lookups[req.request_id] = (req.num_tokens, len(blocks) * self.block_size)
         if not blocks:
             return 0
         for b in blocks:
@@ -125,6 +129,16 @@ class KVCacheManager:
         self._named[req.request_id] = len(blocks)
         req.num_computed_tokens = len(blocks) * self.block_size
         return req.num_computed_tokens
+
+    def unmatch_prefix(self, req: Request) -> None:
+        """Undo ``match_prefix`` for a waiting request that was not admitted after all: free the blocks it
+        matched, set ``num_computed_tokens`` back to 0, and take its lookup back out of the hit statistics (it is
+        looked up again when next offered, so a request waiting through many steps counts once)."""
+        looked = self._lookups.pop(req.request_id, None)
+        if looked is not None and self.prefix_cache is not None:
+            self.prefix_cache.record_lookup(-looked[0], -looked[1])
+        self.free_request(req.request_id)
+        req.num_computed_tokens = 0
 
     def cache_computed(self, req: Request) -> int:
         """Name the request's full blocks whose K/V are now computed (after a step), so later requests can match

@@ -208,6 +208,8 @@ class SimSideBySide:
                         "output_len_mismatch": s["output_len_mismatch"], "rejected": s["rejected"],
                         "instance_s": res.instance_s, "scaling": res.scaling, "migrated": res.migrated,
                         "live_migration": res.migration,
+                        "prefix_hit_tokens": res.prefix_hit_tokens,
+                        "prefix_queried_tokens": res.prefix_queried_tokens,
                     }
                     raw.setdefault(key, {})[col.label] = {
                         "requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe(),
@@ -282,6 +284,10 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
                              f"provisioned")
             if d.get("migrated"):
                 notes.append(f"{label}: {d['migrated']} queued requests moved to idle peers (--rebalance)")
+            if d.get("prefix_queried_tokens"):
+                notes.append(f"{label}: prefix cache found {d['prefix_hit_tokens']} of "
+                             f"{d['prefix_queried_tokens']} prompt tokens "
+                             f"({d['prefix_hit_tokens'] / d['prefix_queried_tokens']:.0%})")
             live = d.get("live_migration") or {}
             if live.get("moved") or live.get("returned"):
                 notes.append(f"{label}: {live['moved']} running decodes live-migrated ({live['returned']} refused; "
