@@ -275,3 +275,35 @@ def test_each_prompt_is_looked_up_once_however_long_it_waits(kind: str) -> None:
     assert kv.prefix_cache.queried_tokens == 19 + sum(r.num_prompt_tokens for r in reqs)
     assert kv.prefix_cache.hit_tokens == 16
     assert kv.num_free_blocks == 256
+
+
+@pytest.mark.parametrize("policy", ["sjf", "srtf"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_shortest_first_counts_only_the_uncached_part_of_a_prompt(policy: str, caching: bool) -> None:
+    """After a 32-token prompt is prefilled and released, "long" (that prompt + 4 tokens: 36 tokens, 32 cached)
+    and "short" (12 fresh tokens) queue together, "long" first. With caching, SJF/SRTF see 4 tokens of work vs
+    12 and serve "long" first; without it, 36 vs 12 puts "short" first. Peeking pins nothing and counts no
+    lookup."""
+    kv = KVCacheManager(64, BS, enable_prefix_caching=caching)
+    sched = PrefillScheduler(PrefillSchedulerConfig(policy=policy, chunk_size=8, pad_last_chunk=False), kv)
+    stem = list(range(300, 332))
+    sched.add_request(req("warm", stem + [1]))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        upd = sched.update(out, StepResult(out.step_id, {s.request_id: 5 for s in out.segments if s.sample}))
+        for r in upd.prefilled:
+            sched.release(r.request_id)
+    queried = kv.prefix_cache.queried_tokens if kv.prefix_cache else 0
+    long, short = req("long", stem + [2, 3, 4, 5]), req("short", list(range(700, 712)))
+    sched.add_request(long)
+    sched.add_request(short)
+    assert kv.cached_prefix_tokens(long) == (32 if caching else 0) and kv.num_free_blocks == 64
+    if kv.prefix_cache:
+        assert kv.prefix_cache.queried_tokens == queried
+    out = sched.schedule()
+    first = out.segments[0]
+    if caching:
+        assert (first.request_id, first.start, first.num_tokens) == ("long", 32, 4)
+        assert [s.request_id for s in out.segments] == ["long", "short"]
+    else:
+        assert (first.request_id, first.num_tokens) == ("short", 8)

@@ -109,6 +109,16 @@ class KVCacheManager:
             self._digests[req.request_id] = known
         return known[:num_blocks]
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """How many leading tokens ``match_prefix`` would take from the cache for this request now, without
+        taking them (no blocks pinned, no statistics): 0 without prefix caching or once the request holds
+        blocks or computed tokens (its progress then shows in ``num_uncomputed_tokens``)."""
+        cache = self.prefix_cache
+        if cache is None or req.num_computed_tokens or self._tables.get(req.request_id):
+            return 0
+        matchable = (req.num_tokens - 1) // self.block_size
+        return len(cache.longest_match(self._digests_for(req, matchable))) * self.block_size if matchable else 0
+
     def match_prefix(self, req: Request) -> int:
         """Before a request's first computed token here: take the cached blocks holding its longest leading run
         of full blocks (at most up to its second-to-last token) as its table, set ``num_computed_tokens`` to the

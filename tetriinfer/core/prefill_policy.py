@@ -14,13 +14,18 @@ blocks or request progress (the ``PrefillScheduler`` does).
   starvation: once a request has been passed over by ``sched_batch`` chunks that served requests which
   arrived after it, it becomes *urgent*; urgent requests go first, in arrival order.
   Bound: a request is passed over by at most ``sched_batch`` such chunks.
+
+"Tokens" above are the prefill work left: ``order(..., work=...)`` may count it without the prompt's cached
+prefix (``KVCacheManager.cached_prefix_tokens``), so with prefix caching SJF/SRTF rank a long prompt that is
+mostly cached as the short job it is (SGLang's longest-prefix-match ordering, folded into shortest-first).
+Without ``work`` it is ``num_uncomputed_tokens``.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tetriinfer.core.request import Request
 
@@ -104,32 +109,35 @@ class PrefillQueue:
         return self._passed_over.get(request_id, 0)
 
     # ---- ordering ---------------------------------------------------------------------------
-    def order(self, min_tokens: int) -> list[Request]:
+    def order(self, min_tokens: int, work: Callable[[Request], int] | None = None) -> list[Request]:
         """The queued requests in service order, forming batches until the scheduled ones hold at
-        least ``min_tokens`` uncomputed tokens (so one chunk can be filled) or the raw queue is empty.
-        Requests still in the raw queue are not returned (their batch is not formed yet)."""
+        least ``min_tokens`` tokens of work (so one chunk can be filled) or the raw queue is empty.
+        Requests still in the raw queue are not returned (their batch is not formed yet). ``work(r)``: the
+        prefill tokens left for ``r`` (default ``num_uncomputed_tokens``); SJF/LJF sort by it when a batch
+        forms, SRTF before every chunk."""
+        left = work or _uncomputed
         if self.policy is PrefillPolicy.SRTF:
-            return sorted(self._scheduled, key=self._srtf_key)
-        while self._raw and sum(r.num_uncomputed_tokens for r in self._scheduled) < min_tokens:
-            self._form_batch()
+            return sorted(self._scheduled, key=lambda r: self._srtf_key(r, left(r)))
+        while self._raw and sum(left(r) for r in self._scheduled) < min_tokens:
+            self._form_batch(left)
         return list(self._scheduled)
 
-    def _form_batch(self) -> None:
+    def _form_batch(self, left: Callable[[Request], int]) -> None:
         batch = [self._raw.popleft() for _ in range(min(self.sched_batch, len(self._raw)))]
         if self.policy is PrefillPolicy.SJF:
-            batch.sort(key=lambda r: (r.num_tokens, self._seq[r.request_id]))
+            batch.sort(key=lambda r: (left(r), self._seq[r.request_id]))
         elif self.policy is PrefillPolicy.LJF:
-            batch.sort(key=lambda r: (-r.num_tokens, self._seq[r.request_id]))
+            batch.sort(key=lambda r: (-left(r), self._seq[r.request_id]))
         for r in batch:
             self._batch_of[r.request_id] = self._next_batch
         self._next_batch += 1
         self._scheduled.extend(batch)
 
-    def _srtf_key(self, r: Request) -> tuple[int, int, int]:
+    def _srtf_key(self, r: Request, left: int) -> tuple[int, int, int]:
         seq = self._seq[r.request_id]
         if self._passed_over[r.request_id] >= self.sched_batch:
             return (0, 0, seq)  # urgent: arrival order, ahead of everything else
-        return (1, r.num_uncomputed_tokens, seq)
+        return (1, left, seq)
 
     def note_served(self, served_ids: Iterable[str]) -> None:
         """Record one chunk's service (SRTF aging): every queued request not in the chunk that arrived
@@ -146,3 +154,7 @@ class PrefillQueue:
         for rid, seq in self._seq.items():
             if rid not in served and seq < newest:
                 self._passed_over[rid] += 1
+
+
+def _uncomputed(r: Request) -> int:
+    return r.num_uncomputed_tokens

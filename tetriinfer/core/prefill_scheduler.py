@@ -168,7 +168,7 @@ class PrefillScheduler:
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
         cfg = self.config
-        order = self.queue.order(cfg.chunk_size)
+        order = self.queue.order(cfg.chunk_size, self._work_left if self.kv.prefix_caching else None)
         chunk = self._build(order)
         if not chunk.slices and order and not any(self.kv.num_blocks_of(r) for r in self.handed_over):
             # Partially prefilled requests hold every block and no release will come: drop the lowest
@@ -196,6 +196,10 @@ class PrefillScheduler:
             num_padding_tokens=chunk.num_padding,
             finished_request_ids=finished_ids,
         )
+
+    def _work_left(self, req: Request) -> int:
+        """Prefill tokens left for ``req``, its prompt's cached prefix not counted (prefix caching on)."""
+        return req.num_uncomputed_tokens - self.kv.cached_prefix_tokens(req)
 
     def _build(self, order: list[Request]):  # -> Chunk
         bs = self.kv.block_size
