@@ -27,6 +27,7 @@ ITL = 0.04
 class FakeServer:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.metrics: Any = None  # () -> Prometheus text for GET /metrics (None: no such route)
         self.loop = asyncio.new_event_loop()
         self.port = 0
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -64,6 +65,15 @@ class FakeServer:
                 key, value = line.decode().split(":", 1)
                 headers[key.strip().lower()] = value.strip()
             raw = await reader.readexactly(int(headers.get("content-length", "0")))
+            if method == "GET" and path == "/metrics" and self.metrics is not None:
+                payload = self.metrics().encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                    + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                    + payload
+                )
+                await writer.drain()
+                return
             if method == "GET" and path == "/v1/models":
                 payload = json.dumps(
                     {"object": "list", "data": [{"id": "fake", "max_model_len": 4096}]}
@@ -322,3 +332,45 @@ def test_cli_run_then_compare(server: FakeServer, tmp_path: Path, capsys: pytest
     assert "| TTFT mean (ms) |" in md and "run1 / baseline" in md and "![ttft_cdf](plots/ttft_cdf.png)" in md
     assert (tmp_path / "plots" / "jct_cdf.png").stat().st_size > 1000
     assert main(["bench", "compare", str(tmp_path / "missing.json")]) == 2
+
+
+def test_run_benchmark_reads_our_servers_busy_time_and_prefix_hits_from_metrics(server: FakeServer) -> None:
+    """The fake server exports our /metrics names: every completed request adds 0.5 busy seconds to instance
+    p0 and 0.25 to d0, and 10 of its 40 prompt tokens as cache hits; the run's share is exactly that, whatever
+    the counters held before it."""
+    from tetriinfer.server.metrics import ServerMetrics
+
+    def exposition() -> str:
+        n = len(server.bodies) + 4  # 4 requests' worth before the run
+        m = ServerMetrics()
+        m.update_cluster({"instances": [
+            {"id": "p0", "role": "prefill", "busy_s": 0.5 * n, "prefix_cache_hit_tokens": 10 * n,
+             "prefix_cache_queried_tokens": 40 * n},
+            {"id": "d0", "role": "decode", "busy_s": 0.25 * n},
+        ]})
+        return m.render()[0].decode()
+
+    server.metrics = exposition
+    reqs = [WorkloadRequest(f"r{i}", 0.01 * i, 10, 2) for i in range(6)]
+    res = run_benchmark(ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False), _workload(reqs))
+    usage = res["server_usage"]
+    assert usage["server"] == "tetriinfer" and usage["resource_s"] == pytest.approx(6 * 0.75)
+    assert usage["busy_per_instance_s"] == pytest.approx({"d0": 1.5, "p0": 3.0})
+    assert (usage["prefix_cache_hit_tokens"], usage["prefix_cache_queried_tokens"]) == (60, 240)
+    assert usage["prefix_cache_hit_rate"] == pytest.approx(0.25) and usage["instances_lost"] == []
+    from tetriinfer.bench.report import summary_text
+
+    text = summary_text(res)
+    assert "Server busy time" in text and "25.0%" in text
+    off = run_benchmark(ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False,
+                                     server_usage=False), _workload(reqs))
+    assert off["server_usage"] is None
+
+
+def test_servers_without_usage_metrics_give_no_usage(server: FakeServer) -> None:
+    reqs = [WorkloadRequest("r0", 0.0, 10, 2)]
+    res = run_benchmark(ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False), _workload(reqs))
+    assert res["server_usage"] is None and res["summary"]["completed"] == 1  # no /metrics route: no usage
+    server.metrics = lambda: "# HELP other_total x\n# TYPE other_total counter\nother_total 3\n"
+    assert run_benchmark(ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False),
+                         _workload(reqs))["server_usage"] is None

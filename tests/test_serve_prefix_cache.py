@@ -70,3 +70,20 @@ def test_shared_prefix_requests_match_uncached_engine_and_hits_are_reported(serv
             break
         time.sleep(0.5)
     assert total >= hits, lines
+
+
+def test_bench_reads_busy_time_and_prefix_hits_from_the_real_metrics(server):
+    """``tetriinfer bench`` against the real server: its ``server_usage`` (from ``/metrics``, before and after)
+    names every instance, counts busy seconds, and sees the cache hits of three requests sharing 64 tokens."""
+    from tetriinfer.bench.client import ClientConfig, run_benchmark
+    from tetriinfer.bench.workloads import Workload, WorkloadRequest
+
+    reqs = tuple(WorkloadRequest(f"s{i}", 0.6 * i, 80, 4, prefix_blocks=(7, 8, 100 + i), prefix_block_tokens=32)
+                 for i in range(3))
+    wl = Workload("shared", reqs, "test", "trace", None, 0)
+    res = run_benchmark(ClientConfig(server.base_url, "llama", progress=False), wl)
+    usage = res["server_usage"]
+    assert res["summary"]["completed"] == 3 and usage is not None and usage["server"] == "tetriinfer"
+    ids = {i["id"] for i in server.wait_idle()["instances"]}
+    assert set(usage["busy_per_instance_s"]) == ids and usage["resource_s"] > 0
+    assert usage["prefix_cache_queried_tokens"] >= 3 * 80 and usage["prefix_cache_hit_tokens"] >= 32

@@ -170,6 +170,8 @@ def _add_run_args(p: argparse.ArgumentParser, required: bool) -> None:
     s.add_argument("--label", default=None, help="name of this run in reports")
     s.add_argument("--out", default=None, help="write results JSON (per-request records + summary) here")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-server-usage", action="store_true",
+                   help="do not read the server's /metrics before and after (busy seconds, prefix-cache hits)")
     add_workload_args(p)
 
 
@@ -200,6 +202,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         seed=args.seed,
         progress=not args.no_progress,
+        server_usage=not args.no_server_usage,
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)

@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tetriinfer.bench.metrics import SLO, RequestRecord, summarize
+from tetriinfer.bench.server_usage import scrape_settled, usage_between
 from tetriinfer.bench.workloads import Workload, WorkloadRequest, with_max_context
 
 _BASE_TEXT = (
@@ -64,6 +65,7 @@ class ClientConfig:
     seed: int = 0
     progress: bool = True
     user: str | None = None  # OpenAI's ``user`` field on every request (tags a run in the server's logs)
+    server_usage: bool = True  # read the server's /metrics before and after the run (bench.server_usage)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -347,9 +349,13 @@ class BenchmarkClient:
 def run_benchmark(
     config: ClientConfig, workload: Workload, slo: SLO | None = None, label: str | None = None
 ) -> dict[str, Any]:
-    """Run one workload against one server; the results dict (config, workload, summary, requests)."""
+    """Run one workload against one server; the results dict (config, workload, summary, requests, and
+    ``server_usage``: what the server's ``/metrics`` says the run cost, see ``bench.server_usage``; None for
+    servers that export neither our counters nor vLLM's)."""
     started = datetime.now(UTC).isoformat(timespec="seconds")
+    before = scrape_settled(config.base_url, config.api_key) if config.server_usage else None
     records, duration, max_context = asyncio.run(BenchmarkClient(config).run(workload))
+    after = scrape_settled(config.base_url, config.api_key) if before is not None else None
     summary = summarize(records, duration, slo)
     cfg = asdict(config)
     cfg["max_context_used"] = max_context
@@ -361,6 +367,7 @@ def run_benchmark(
         "config": cfg,
         "workload": workload.describe(),
         "summary": summary,
+        "server_usage": usage_between(before, after),
         "requests": [r.to_dict() for r in records],
     }
 

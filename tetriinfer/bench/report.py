@@ -239,6 +239,14 @@ def summary_text(result: dict[str, Any]) -> str:
     rows.append(("P99 send lag behind schedule (ms)", ms(("send_lag", "p99"))))
     if s.get("output_len_mismatch"):
         rows.append(("Outputs not of the requested length", str(s["output_len_mismatch"])))
+    usage = result.get("server_usage")
+    if usage:
+        if usage.get("resource_s") is not None:
+            rows.append(("Server busy time, all instances (s)", f"{usage['resource_s']:.2f}"))
+            for inst, busy in usage["busy_per_instance_s"].items():
+                rows.append((f"  busy {inst} (s)", f"{busy:.2f}"))
+        if usage.get("prefix_cache_queried_tokens"):
+            rows.append(("Prefix cache hit rate (prompt tokens)", f"{usage['prefix_cache_hit_rate']:.1%}"))
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(f"{k:<{width}}{v:>12}" for k, v in rows)
 

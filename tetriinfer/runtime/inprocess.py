@@ -58,6 +58,7 @@ class _Counters:
     finished: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     step_errors: int = 0
+    busy_s: float = 0.0  # seconds spent in engine steps (the resource usage ``tetriinfer bench`` reads)
 
 
 class InProcessEngineClient:
@@ -231,6 +232,7 @@ class InProcessEngineClient:
         entry.request = self._engine.scheduler.requests.get(rid)
 
     def _step(self, live: dict[str, _Live]) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self._engine.step()
         except Exception as exc:
@@ -242,6 +244,7 @@ class InProcessEngineClient:
                 self._finish(live, rid, (), "error", error=f"engine step failed: {type(exc).__name__}: {exc}")
             return
         self._counters.steps += 1
+        self._counters.busy_s += time.perf_counter() - t0
         done = {o.request_id: o for o in outputs}
         for rid, entry in list(live.items()):
             if rid in done:
@@ -300,6 +303,7 @@ class InProcessEngineClient:
             "running": len(sched.running),
             **kv.prefix_cache_stats(),
             "steps": self._counters.steps,
+            "busy_s": self._counters.busy_s,
             "step_errors": self._counters.step_errors,
             "requests_finished": dict(self._counters.finished),
             "updated_at": time.time(),

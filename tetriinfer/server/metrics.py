@@ -14,7 +14,9 @@ Metric names (prefix ``tetriinfer_``):
 - per instance, refreshed from ``cluster_info()`` on every scrape (stale instances disappear):
   ``instance_kv_blocks_used``, ``instance_kv_blocks_total``, ``instance_queued_requests``,
   ``instance_running_requests``, ``instance_prefix_cache_hit_tokens`` / ``..._queried_tokens`` (cumulative prompt
-  tokens found in / looked up in the prefix cache), ``instance_prefix_cache_blocks``, ``instance_up`` — labels
+  tokens found in / looked up in the prefix cache), ``instance_prefix_cache_blocks``, ``instance_busy_seconds`` /
+  ``instance_steps`` (cumulative seconds spent in model steps / steps run, as of the instance's last load
+  report: ``tetriinfer bench`` takes their growth over a run as its resource usage), ``instance_up`` — labels
   ``instance``, ``role``;
 - ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (histograms; ``kv_transfer_bytes_sum`` is the total
   moved), ``kv_transfers_total{backend,outcome}``;
@@ -50,6 +52,8 @@ _INSTANCE_FIELDS = {
     "prefix_cache_hit_tokens": "instance_prefix_cache_hit_tokens",
     "prefix_cache_queried_tokens": "instance_prefix_cache_queried_tokens",
     "prefix_cache_blocks": "instance_prefix_cache_blocks",
+    "busy_s": "instance_busy_seconds",
+    "steps": "instance_steps",
 }
 
 
