@@ -233,6 +233,22 @@ def test_flip_moves_an_idle_prefill_instance_to_decode_without_losing_requests()
     assert all(f["switched_s"] >= f["drained_s"] >= f["decided_s"] for f in res.flips)
 
 
+def test_a_flipped_instance_keeps_its_kv_pool_and_cache_statistics() -> None:
+    """As the runtime switches a role in place (one KV manager for the process), the simulated flip keeps the
+    instance's pool: with prefix caching on, every prompt looked up before the flip is still counted after
+    it, and the shared leading blocks are found."""
+    reqs = tuple(WorkloadRequest(f"r{i}", 0.05 * i, 48, 400, prefix_blocks=(0, 1, 100 + i), prefix_block_tokens=16)
+                 for i in range(40))
+    wl = Workload("lphd", reqs, "test", "trace", None, 0)
+    cc = ClusterConfig(model="sim", mode="tetriinfer", prefill_instances=2, decode_instances=1, flip=True,
+                       flip_window_s=0.3, enable_prefix_caching=True)
+    res = SimCluster(SimConfig(cc, num_kv_blocks=2000, kv_bytes_per_token=8192, max_model_len=2048), COST).run(wl)
+    check_run(wl, res.records)
+    assert res.flips and res.flips[0]["from"] == "prefill"
+    assert res.prefix_queried_tokens >= 48 * 40
+    assert res.prefix_hit_tokens >= 32 * (40 - 2)  # all but the first prompt at each prefill instance
+
+
 BURST = Workload("burst", tuple([WorkloadRequest(f"b{i}", i / 8, 300, 120) for i in range(120)]
                                 + [WorkloadRequest(f"t{i}", 20.0 + 6.0 * i, 300, 120) for i in range(12)]),
                  "test", "trace", None, 0)  # 15 s at 8 req/s, then one request every 6 s

@@ -196,9 +196,12 @@ class SimCluster:
         self.flip_log: list[dict[str, Any]] = []
 
     # ---- construction -------------------------------------------------------------------
-    def _make(self, role: str, iid: str, index: int) -> SimInstance:
-        kv = KVCacheManager(self.config.num_kv_blocks, self.config.cluster.block_size,
-                            enable_prefix_caching=self.config.cluster.enable_prefix_caching)
+    def _make(self, role: str, iid: str, index: int, kv: KVCacheManager | None = None) -> SimInstance:
+        """An instance of ``role``; ``kv``: the pool it keeps (a role switch, as the runtime's in-place switch
+        keeps its KV manager: cached prefixes and hit counts survive), else a fresh one."""
+        if kv is None:
+            kv = KVCacheManager(self.config.num_kv_blocks, self.config.cluster.block_size,
+                                enable_prefix_caching=self.config.cluster.enable_prefix_caching)
         cls = {"prefill": SimPrefill, "decode": SimDecode, "colocated": SimColocated}[role]
         return cls(iid, kv, self.cost, self, self.config.policies(index))
 
@@ -602,10 +605,10 @@ class SimCluster:
         decided = self.loop.now
 
         def done() -> None:
-            new = self._make(to_role.value, inst.iid, list(self._started_at).index(inst.iid))
+            new = self._make(to_role.value, inst.iid, list(self._started_at).index(inst.iid), kv=inst.kv)
             new.busy_s, new.steps = inst.busy_s, inst.steps
             self.instances[inst.iid] = new
-            self.policy.forget_instance(inst.iid)  # a new KV pool: nothing cached
+            self.policy.forget_instance(inst.iid)  # as the runtime: routing forgets what it sent there
             rec = self.flips.on_switched(inst.iid, self.loop.now)
             self.flip_log.append({"instance": inst.iid, "from": rec.from_role.value, "to": rec.to_role.value,
                                   "decided_s": rec.decided_at, "drained_s": rec.drained_at,
