@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from tetriinfer.bench import side_by_side as sbs
 from tetriinfer.bench.metrics import RequestRecord, summarize
@@ -191,8 +191,9 @@ class FakeCluster:
     """A minimal OpenAI-style server with ``/cluster``: a token every ``itl`` s after ``ttft`` s; each
     request adds ``ttft + itl * tokens`` busy seconds to instance ``busy``."""
 
-    def __init__(self, ttft: float, itl: float) -> None:
+    def __init__(self, ttft: float, itl: float, hits: int = 0) -> None:
         self.ttft, self.itl, self.busy, self.in_flight = ttft, itl, 0.0, 0
+        self.hits, self.done = hits, 0  # /metrics: each finished request looked up 100 prompt tokens, found hits
         # per request: (max_tokens, requests in flight including this one, its OpenAI ``user`` field)
         self.log: list[tuple[int, int, str | None]] = []
         app = FastAPI()
@@ -210,6 +211,15 @@ class FakeCluster:
             inst = {"id": "busy", "queued": 0, "running": self.in_flight, "busy_s": self.busy}
             return {"instances": [inst], "requests_in_flight": self.in_flight}
 
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            from tetriinfer.server.metrics import ServerMetrics
+
+            m = ServerMetrics()
+            m.update_cluster({"instances": [{"id": "busy", "busy_s": self.busy, "prefix_cache_hit_tokens":
+                                             self.hits * self.done, "prefix_cache_queried_tokens": 100 * self.done}]})
+            return PlainTextResponse(m.render()[0].decode())
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> StreamingResponse:
             body = await request.json()
@@ -225,6 +235,7 @@ class FakeCluster:
                     usage = {"completion_tokens": i + 1}
                     yield f"data: {json.dumps({'choices': [{'text': 'x', 'finish_reason': None}], 'usage': usage})}\n\n"
                 self.busy += self.ttft + self.itl * n
+                self.done += 1
                 self.in_flight -= 1
                 yield f"data: {json.dumps({'choices': [{'text': '', 'finish_reason': 'length'}]})}\n\n"
                 yield "data: [DONE]\n\n"
@@ -251,8 +262,8 @@ class FakeCluster:
 SERVERS: list[tuple[str, FakeCluster]] = []  # every fake started, in order (tests clear it first)
 
 
-def fake_servers(monkeypatch: pytest.MonkeyPatch, speeds: dict[str, tuple[float, float]]) -> list[tuple[str, tuple[str, ...]]]:
-    """Replace ``serve`` with in-process FakeClusters (mode -> (ttft, itl)) and ``wait_idle`` with a direct
+def fake_servers(monkeypatch: pytest.MonkeyPatch, speeds: dict[str, tuple[float, ...]]) -> list[tuple[str, tuple[str, ...]]]:
+    """Replace ``serve`` with in-process FakeClusters (mode -> (ttft, itl[, hits])) and ``wait_idle`` with a direct
     ``/cluster`` read; returns the list that records each (mode, args) started, in order."""
     started: list[tuple[str, tuple[str, ...]]] = []
 
@@ -335,6 +346,21 @@ def test_rounds_rotate_the_column_order_and_pool_every_request(monkeypatch: pyte
     assert set(ch) == {"tetriinfer"} and len(ch["tetriinfer"]["ttft"]) == len(ch["tetriinfer"]["jct"]) == 3
     assert all(-0.8 < v < -0.4 for v in ch["tetriinfer"]["ttft"]) and all(v < 0 for v in ch["tetriinfer"]["jct"])
     assert "## Change vs colocated within each round" in sbs.markdown_report(result)
+
+
+def test_prefix_cache_hits_from_server_metrics_are_summed_over_rounds(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    fake_servers(monkeypatch, {"colocated": (0.02, 0.002), "tetriinfer": (0.02, 0.002, 40)})
+    cfg = sbs.SideBySideConfig(str(tmp_path), ("lpld",), sbs.parse_columns("tetriinfer,colocated", [], []),
+                               num_requests=3, rate=20.0, max_prompt_tokens=300, max_output_tokens=12,
+                               progress=False, rounds=2, floor=False)
+    result, _ = sbs.SideBySide(cfg, "test").run()
+    details = result["meta"]["details"]["lpld"]
+    assert (details["tetriinfer"]["prefix_cache_hit_tokens"], details["tetriinfer"]["prefix_cache_queried_tokens"]) \
+        == (2 * 3 * 40, 2 * 3 * 100)
+    assert details["colocated"]["prefix_cache_hit_tokens"] == 0
+    assert ("Found in a prefix cache (server /metrics): colocated: 0 of 600 prompt tokens (0%); tetriinfer: 240 of "
+            "600 prompt tokens (40%).") in sbs.markdown_report(result)
 
 
 def _rec(rid: str, ttft: float, jct: float) -> dict[str, Any]:

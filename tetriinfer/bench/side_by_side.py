@@ -577,6 +577,11 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
             lines.append(f"{wl_meta.get('summary_line', '')}")
             lines.append("")
         lines.append(workload_table(result, wl))
+        cached = [f"{label}: {d['prefix_cache_hit_tokens']} of {d['prefix_cache_queried_tokens']} prompt tokens "
+                  f"({d['prefix_cache_hit_tokens'] / d['prefix_cache_queried_tokens']:.0%})"
+                  for label, d in meta.get("details", {}).get(wl, {}).items() if d.get("prefix_cache_queried_tokens")]
+        if cached:
+            lines += ["", "Found in a prefix cache (server /metrics): " + "; ".join(cached) + "."]
     lines += plot_section(plots, relative_to)
     return "\n".join(lines) + "\n"
 
@@ -719,6 +724,8 @@ class SideBySide:
         self.raw: dict[str, dict[str, dict[str, Any]]] = {}
         self.workload_meta: dict[str, dict[str, Any]] = {}
         self.floors: dict[str, dict[str, Any]] = {}  # workload as given -> its TTFT floor (measure_floor)
+        # (workload cell, column) -> [prompt tokens found in a prefix cache, looked up], summed over rounds
+        self._prefix_hits: dict[tuple[str, str], list[int]] = {}
         # (workload, column) -> records of every round so far, summed durations, busy seconds, rounds
         self._pooled: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -830,6 +837,10 @@ class SideBySide:
         load_start = _loadavg()
         res = self._bench(url, model, column, wl)
         after = wait_idle(url) if ours else {}
+        usage = res.get("server_usage") or {}
+        hits = self._prefix_hits.setdefault((key, column.label), [0, 0])  # summed over rounds
+        hits[0] += usage.get("prefix_cache_hit_tokens") or 0
+        hits[1] += usage.get("prefix_cache_queried_tokens") or 0
         total, per = resource_seconds(before, after) if ours else (None, {})
         res, total, per = self._pool(key, column.label, res, total, per)
         s = res["summary"]
@@ -850,6 +861,8 @@ class SideBySide:
             "errors": s["errors"],
             "loadavg_start": load_start,
             "loadavg_end": _loadavg(),
+            "prefix_cache_hit_tokens": hits[0],  # from the server's /metrics (ours or vLLM's); 0: no cache
+            "prefix_cache_queried_tokens": hits[1],
         }
         self.raw.setdefault(key, {})[column.label] = res
         print(f"{key} / {column.label}: completed {s['completed']}, failed {s['failed']}, TTFT mean "
