@@ -278,14 +278,15 @@ def test_each_prompt_is_looked_up_once_however_long_it_waits(kind: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["sjf", "srtf"])
-@pytest.mark.parametrize("caching", [True, False])
-def test_shortest_first_counts_only_the_uncached_part_of_a_prompt(policy: str, caching: bool) -> None:
+@pytest.mark.parametrize(("caching", "aware"), [(True, True), (True, False), (False, True)])
+def test_shortest_first_counts_only_the_uncached_part_of_a_prompt(policy: str, caching: bool, aware: bool) -> None:
     """After a 32-token prompt is prefilled and released, "long" (that prompt + 4 tokens: 36 tokens, 32 cached)
     and "short" (12 fresh tokens) queue together, "long" first. With caching, SJF/SRTF see 4 tokens of work vs
-    12 and serve "long" first; without it, 36 vs 12 puts "short" first. Peeking pins nothing and counts no
-    lookup."""
+    12 and serve "long" first; without it (or with ``cache_aware_order=False``), 36 vs 12 puts "short" first.
+    Peeking pins nothing and counts no lookup."""
     kv = KVCacheManager(64, BS, enable_prefix_caching=caching)
-    sched = PrefillScheduler(PrefillSchedulerConfig(policy=policy, chunk_size=8, pad_last_chunk=False), kv)
+    sched = PrefillScheduler(PrefillSchedulerConfig(policy=policy, chunk_size=8, pad_last_chunk=False,
+                                                    cache_aware_order=aware), kv)
     stem = list(range(300, 332))
     sched.add_request(req("warm", stem + [1]))
     while sched.has_unfinished():
@@ -302,7 +303,7 @@ def test_shortest_first_counts_only_the_uncached_part_of_a_prompt(policy: str, c
         assert kv.prefix_cache.queried_tokens == queried
     out = sched.schedule()
     first = out.segments[0]
-    if caching:
+    if caching and aware:
         assert (first.request_id, first.start, first.num_tokens) == ("long", 32, 4)
         assert [s.request_id for s in out.segments] == ["long", "short"]
     else:

@@ -28,6 +28,7 @@ from tetriinfer.sim.cost_model import (
     model_config,
 )
 from tetriinfer.sim.events import EventLoop
+from tetriinfer.sim.instances import SimPrefill
 from tetriinfer.sim.link import Links
 from tetriinfer.sim.side_by_side import SimSideBySide, SimSideBySideConfig, markdown_report
 
@@ -614,3 +615,23 @@ def test_simulated_side_by_side_reports_prefix_hits_on_a_scaled_mooncake_trace()
     assert "apc: prefix cache found" in markdown_report(result)
     with pytest.raises(ValueError, match="length_scale"):
         replace(cfg, length_scale=-1.0)
+
+
+def test_cache_aware_prefill_order_flag_reaches_the_runtime_spec_and_the_simulated_scheduler() -> None:
+    """``--no-cache-aware-prefill-order`` (the ablation of cache-aware shortest-first) is one ClusterConfig field
+    that both the runtime's instance spec and the simulator's prefill scheduler take."""
+    import argparse
+
+    from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_cluster_args(p)
+    on = cluster_config_from_args(p.parse_args(["--mode", "tetriinfer", "--enable-prefix-caching"]), "m")
+    off = cluster_config_from_args(p.parse_args(["--mode", "tetriinfer", "--enable-prefix-caching",
+                                                 "--no-cache-aware-prefill-order"]), "m")
+    assert on.cache_aware_prefill_order and not off.cache_aware_prefill_order
+    for cc, want in ((on, True), (off, False)):
+        cc = replace(cc, model="sim")
+        sim = SimCluster(SimConfig(cc, num_kv_blocks=100, kv_bytes_per_token=8192, max_model_len=2048), COST)
+        prefill = next(i for i in sim.instances.values() if isinstance(i, SimPrefill))
+        assert prefill.scheduler.config.cache_aware_order is want

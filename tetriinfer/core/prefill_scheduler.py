@@ -43,6 +43,8 @@ class PrefillSchedulerConfig:
     pad_last_chunk: bool = True
     max_model_len: int = 2048
     require_prediction: bool = False  # hold prefilled requests until ``set_prediction``
+    # with prefix caching: SJF/LJF/SRTF rank a prompt by its uncached tokens (False: by all its tokens)
+    cache_aware_order: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_prefill_policy(self.policy))
@@ -168,7 +170,8 @@ class PrefillScheduler:
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
         cfg = self.config
-        order = self.queue.order(cfg.chunk_size, self._work_left if self.kv.prefix_caching else None)
+        aware = self.kv.prefix_caching and cfg.cache_aware_order
+        order = self.queue.order(cfg.chunk_size, self._work_left if aware else None)
         chunk = self._build(order)
         if not chunk.slices and order and not any(self.kv.num_blocks_of(r) for r in self.handed_over):
             # Partially prefilled requests hold every block and no release will come: drop the lowest

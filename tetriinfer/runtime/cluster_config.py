@@ -63,6 +63,7 @@ class ClusterConfig:
     max_num_batched_tokens: int = 2048
     prefill_policy: str = "fcfs"
     prefill_sched_batch: int = 16
+    cache_aware_prefill_order: bool = True  # with prefix caching: shortest-first counts uncached tokens only
     dispatch_policy: str = "length-aware"
     decode_policy: str = "greedy"
     heavy_decode_tokens: int = 128

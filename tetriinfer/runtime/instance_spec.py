@@ -33,6 +33,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     # policies
     prefill_policy: str = "fcfs"
     prefill_sched_batch: int = 16
+    cache_aware_prefill_order: bool = True  # PrefillSchedulerConfig.cache_aware_order
     dispatch_policy: str = "length-aware"
     decode_policy: str = "greedy"
     colocated_policy: str = "vllm"  # vllm | sarathi

@@ -86,6 +86,7 @@ class PrefillWorker:
             PrefillSchedulerConfig(
                 policy=spec.prefill_policy,
                 prefill_sched_batch=spec.prefill_sched_batch,
+                cache_aware_order=spec.cache_aware_prefill_order,
                 chunk_size=spec.chunk_size,
                 pad_last_chunk=spec.pad_last_chunk,
                 max_model_len=ctx.max_model_len,

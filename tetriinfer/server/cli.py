@@ -40,6 +40,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="with --enable-prefix-caching: route each request to the prefill/colocated instance where "
                         "queued prompt tokens + its own uncached prompt tokens are fewest (the front end models each "
                         "instance's cache from what it routed there); --no-prefix-routing: least-loaded only")
+    p.add_argument("--cache-aware-prefill-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --enable-prefix-caching: --prefill-policy sjf/ljf/srtf rank a prompt by its tokens not "
+                        "found in the prefix cache (a long, mostly cached prompt is a short job); "
+                        "--no-cache-aware-prefill-order: by all its tokens")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -146,6 +150,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=args.enable_prefix_caching, prefix_routing=args.prefix_routing,
+        cache_aware_prefill_order=args.cache_aware_prefill_order,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,

@@ -67,6 +67,7 @@ class InstancePolicies:
 
     prefill_policy: str = "fcfs"
     prefill_sched_batch: int = 16
+    cache_aware_prefill_order: bool = True
     chunk_size: int = 512
     pad_last_chunk: bool = False
     dispatch_policy: str = "length-aware"
@@ -183,7 +184,8 @@ class SimPrefill(SimInstance):
         self.scheduler = PrefillScheduler(
             PrefillSchedulerConfig(policy=pol.prefill_policy, prefill_sched_batch=pol.prefill_sched_batch,
                                    chunk_size=pol.chunk_size, pad_last_chunk=pol.pad_last_chunk,
-                                   max_model_len=pol.max_model_len),
+                                   max_model_len=pol.max_model_len,
+                                   cache_aware_order=pol.cache_aware_prefill_order),
             kv,
         )
         self.dispatcher = Dispatcher(DispatcherConfig(policy=pol.dispatch_policy,
