@@ -54,7 +54,13 @@ from typing import Any
 import httpx
 
 from tetriinfer.bench.metrics import SLO, RequestRecord, flat_summary
-from tetriinfer.bench.workloads import Workload, WorkloadRequest, load_workload, workload_summary_line
+from tetriinfer.bench.workloads import (
+    Workload,
+    WorkloadRequest,
+    check_length_scale,
+    load_workload,
+    workload_summary_line,
+)
 from tetriinfer.net import free_loopback_port
 
 BASELINE = "colocated"
@@ -137,8 +143,7 @@ class SideBySideConfig:
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("side-by-side needs at least one workload")
-        if not (self.length_scale > 0 and math.isfinite(self.length_scale)):
-            raise ValueError(f"length_scale must be a positive finite number, got {self.length_scale}")
+        check_length_scale(self.length_scale)
         if len(set(self.workloads)) != len(self.workloads):
             raise ValueError(f"workloads given twice: {self.workloads}")
         labels = [c.label for c in self.columns]

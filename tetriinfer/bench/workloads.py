@@ -349,6 +349,12 @@ def _check_positive_int(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def check_length_scale(length_scale: float) -> None:
+    """``--length-scale`` must be a positive finite factor (ValueError otherwise)."""
+    if not (length_scale > 0 and math.isfinite(length_scale)):
+        raise ValueError(f"length_scale must be a positive finite number, got {length_scale}")
+
+
 def load_workload(
     name: str,
     num_requests: int,
@@ -381,8 +387,7 @@ def load_workload(
     - ``length_scale``: traces only: multiply prompt and output lengths (and a Mooncake trace's hash-block size,
       so shared prefixes stay shared) by this, before the caps: replays a long-context trace on a small model.
     """
-    if not (length_scale > 0 and math.isfinite(length_scale)):
-        raise ValueError(f"length_scale must be a positive finite number, got {length_scale}")
+    check_length_scale(length_scale)
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if rate is not None and not (rate > 0 and math.isfinite(rate)):

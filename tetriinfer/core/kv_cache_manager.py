@@ -109,6 +109,12 @@ class KVCacheManager:
             self._digests[req.request_id] = known
         return known[:num_blocks]
 
+    def _cached_blocks(self, cache: PrefixCache, req: Request) -> list[int]:
+        """The cached blocks holding the request's longest leading run of full blocks, up to its second-to-last
+        token (its last token is always computed, to sample from)."""
+        matchable = (req.num_tokens - 1) // self.block_size
+        return cache.longest_match(self._digests_for(req, matchable)) if matchable else []
+
     def cached_prefix_tokens(self, req: Request) -> int:
         """How many leading tokens ``match_prefix`` would take from the cache for this request now, without
         taking them (no blocks pinned, no statistics): 0 without prefix caching or once the request holds
@@ -116,8 +122,7 @@ class KVCacheManager:
         cache = self.prefix_cache
         if cache is None or req.num_computed_tokens or self._tables.get(req.request_id):
             return 0
-        matchable = (req.num_tokens - 1) // self.block_size
-        return len(cache.longest_match(self._digests_for(req, matchable))) * self.block_size if matchable else 0
+        return len(self._cached_blocks(cache, req)) * self.block_size
 
     def match_prefix(self, req: Request) -> int:
         """Before a request's first computed token here: take the cached blocks holding its longest leading run
@@ -127,8 +132,7 @@ class KVCacheManager:
         cache = self.prefix_cache
         if cache is None or req.num_computed_tokens or self._tables.get(req.request_id):
             return 0
-        matchable = (req.num_tokens - 1) // self.block_size
-        blocks = cache.longest_match(self._digests_for(req, matchable)) if matchable else []
+        blocks = self._cached_blocks(cache, req)
         cache.record_lookup(req.num_tokens, len(blocks) * self.block_size)
         self._lookups[req.request_id] = (req.num_tokens, len(blocks) * self.block_size)
         if not blocks:

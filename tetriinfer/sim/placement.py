@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from tetriinfer.bench.metrics import SLO, summarize
 from tetriinfer.bench.side_by_side import COLOCATED_MODES, DISAGGREGATED_MODES, SERVER_MODES, closed_loop_rate
-from tetriinfer.bench.workloads import Workload, load_workload
+from tetriinfer.bench.workloads import Workload, check_length_scale, load_workload
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig
 from tetriinfer.sim.cost_model import CostModel
@@ -209,8 +209,7 @@ class PlacementConfig:
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("give at least one workload")
-        if not (self.length_scale > 0 and math.isfinite(self.length_scale)):
-            raise ValueError(f"length_scale must be a positive finite number, got {self.length_scale}")
+        check_length_scale(self.length_scale)
         if not self.layouts:
             raise ValueError("give at least one layout")
         if self.slo.ttft_ms is None and self.slo.e2e_ms is None:

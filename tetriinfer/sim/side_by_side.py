@@ -15,7 +15,6 @@ A simulation is deterministic: the same inputs give the same numbers, so there a
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -38,7 +37,7 @@ from tetriinfer.bench.side_by_side import (
     plot_section,
     workload_table,
 )
-from tetriinfer.bench.workloads import Workload, load_workload, workload_summary_line
+from tetriinfer.bench.workloads import Workload, check_length_scale, load_workload, workload_summary_line
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig, SimResult
 from tetriinfer.sim.cost_model import CostModel
@@ -78,8 +77,7 @@ class SimSideBySideConfig:
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("give at least one workload")
-        if not (self.length_scale > 0 and math.isfinite(self.length_scale)):
-            raise ValueError(f"length_scale must be a positive finite number, got {self.length_scale}")
+        check_length_scale(self.length_scale)
         labels = [c.label for c in self.columns]
         if BASELINE not in labels:
             raise ValueError(f"the columns need the baseline {BASELINE!r} (got {labels})")
