@@ -71,6 +71,7 @@ def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, kern
 
 
 def main() -> int:
+    from tetriinfer.engine.cpu_info import cpu_flags
     from tetriinfer.engine.cpu_kernels import kernels_available
     from tetriinfer.engine.make_model import cache_dir, default_model_path, make_model
 
@@ -96,6 +97,7 @@ def main() -> int:
     if not (small / "config.json").exists():
         make_model("llama", "small", small, seed=0)
     cases = [("tiny-llama", str(default_model_path()), "float32", "1,4,8,16,64"),
+             ("tiny-llama", str(default_model_path()), "bfloat16", "1,4,8,16,64"),
              ("small-llama", str(small), "float32", "1,4,16"),
              ("small-llama", str(small), "bfloat16", "1,4,16")]
     settings = ["on", "off"] + (["baseline"] if baseline_source is not None else [])
@@ -106,8 +108,11 @@ def main() -> int:
                         baseline_source if setting == "baseline" else None)
         key = (name, dtype, setting)
         best[key] = {b: min(t, best.get(key, {}).get(b, float("inf"))) for b, t in got.items()}
+    flags = cpu_flags()
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "unknown"
     lines = ["# Native CPU decode kernels: decode step time on vs off", "",
-             f"`python benchmarks/bench_decode_kernels.py` on {os.cpu_count()} CPU cores, one torch thread; one decode "
+             f"`python benchmarks/bench_decode_kernels.py` on {os.cpu_count()} CPU cores ({isa}), one torch thread; "
+             "one decode "
              f"step of B requests over {args.context}-token contexts through the engine's runner; best of "
              f"{args.repeats} steps x {args.rounds} alternating rounds per setting (same run)."
              + (f" Baseline: the kernels of git revision `{args.baseline_rev}`." if baseline_source else ""), ""]
@@ -127,9 +132,10 @@ def main() -> int:
                 lines.append(f"| {name} | {dtype} | {b} | {on[b] * 1e3:.1f} | {base[b] * 1e3:.1f} | "
                              f"{off[b] * 1e3:.1f} | {base[b] / on[b]:.2f}x | {off[b] / on[b]:.2f}x |")
     lines += ["", "Kernels on: fp32 and bf16 decode attention read K/V in place from the paged cache; linear "
-              "layers of few rows use the native matmul (fp32: up to 48 rows; bf16: fewer than 16 rows, on CPUs "
-              "without bf16 instructions), which reads each group of four weight rows once and applies it to the "
-              "whole batch. Off: torch's gather + SDPA and torch's linear layers.", ""]
+              "layers of few rows use the native matmul (fp32: up to 48 rows; bf16: fewer than 16 rows on CPUs "
+              "without bf16 instructions, at most 4 rows on CPUs with AVX-512 BF16 but no AMX; bf16 attention "
+              "and matmuls stay with torch on AMX CPUs), which reads each group of four weight rows once and "
+              "applies it to the whole batch. Off: torch's gather + SDPA and torch's linear layers.", ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

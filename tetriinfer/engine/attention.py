@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tetriinfer.engine.cpu_info import cpu_has_native
+from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, cpu_has_native
 from tetriinfer.engine.cpu_kernels import decode_attn, kernels_available
 
 
@@ -67,11 +67,12 @@ def _sdpa(
 
 def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The native paged decode attention (`cpu_kernels.decode_attn`) replaces gather + SDPA for CPU decode groups
-    in fp32, and in bf16 on CPUs without native bf16, when the engine runs one torch thread."""
+    in fp32, and in bf16 on CPUs without AMX (`bf16_decode_wants_native_kernels`), when the engine runs one torch
+    thread."""
     if q.device.type != "cpu" or q.dtype != k_cache.dtype or not k_cache.is_contiguous():
         return False
     if q.dtype == torch.bfloat16:
-        if cpu_has_native(torch.bfloat16):
+        if not bf16_decode_wants_native_kernels():
             return False
     elif q.dtype != torch.float32:
         return False

@@ -31,3 +31,18 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(flags & {"avx512_fp16", "amx_fp16"})
     return True
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX bf16 tile instructions (where torch's oneDNN bf16 kernels are tuned)."""
+    return "amx_bf16" in cpu_flags()
+
+
+def bf16_decode_wants_native_kernels() -> bool:
+    """Whether bf16 decode (few-row matmuls, single-query attention) should take this project's native kernels
+    over torch's: on every CPU without AMX. Without bf16 instructions (AVX2) torch emulates bf16; with AVX-512 BF16
+    but no AMX (AMD Zen 4, measured there) oneDNN's small-M bf16 GEMM carries ~20 us of fixed cost per call and
+    torch's bf16 SDPA gathers K/V first, so a tiny model's bf16 decode step took 2x the fp32 one. AMX CPUs keep
+    torch's kernels (not measured here)."""
+    return not cpu_has_amx()

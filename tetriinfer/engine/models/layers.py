@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetriinfer.engine import cpu_kernels
-from tetriinfer.engine.cpu_info import cpu_has_native
+from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, cpu_has_native
 from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv, kernels_available
 
 # Below this many rows a reduced-precision matmul stays native: it is memory-bound (decode), and reading
@@ -18,6 +18,10 @@ UPCAST_MIN_ROWS = 16
 # fp32 matmuls of at most this many rows (decode batches) go to the native kernel: it reads the weights once at
 # the memory bandwidth for the whole batch; past ~48 rows torch's blocked GEMM catches up (measured at parity at 64).
 GEMV_F32_MAX_ROWS = 48
+# On CPUs with bf16 instructions but no AMX (AVX-512 BF16, e.g. AMD Zen 4), bf16 matmuls of at most this many rows
+# use the native kernel too; from ~8 rows oneDNN's native bf16 GEMM wins (measured on Zen 4: whole decode steps of
+# the tiny llama at batch 1/4/8/16 were fastest with 4).
+GEMV_BF16_NATIVE_CPU_MAX_ROWS = 4
 # RMSNorm and RoPE of at most this many tokens (decode steps) use the fused native kernels; prefill chunks keep
 # torch's vectorized ops, which win on many rows.
 FUSED_MAX_ROWS = 64
@@ -40,7 +44,8 @@ class Linear(nn.Linear):
     reduced-precision matmuls of >= UPCAST_MIN_ROWS rows in fp32 (AVX2: torch's bf16 GEMM runs ~5x slower than
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
     `tetriinfer.engine.cpu_kernels` when it is available and the engine runs one torch thread; fp32 matmuls of at
-    most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions. Same arithmetic as
+    most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions, and so do bf16
+    matmuls of at most GEMV_BF16_NATIVE_CPU_MAX_ROWS rows on CPUs with bf16 instructions but no AMX. Same arithmetic as
     torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
     CUDA is untouched."""
 
@@ -55,6 +60,9 @@ class Linear(nn.Linear):
                     return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
                 if use_gemv(x, self.weight):
                     return gemv(x.contiguous(), self.weight, self.bias)
+            elif (x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_BF16_NATIVE_CPU_MAX_ROWS
+                  and bf16_decode_wants_native_kernels() and use_gemv(x, self.weight)):
+                return gemv(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
