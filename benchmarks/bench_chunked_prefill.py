@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind
-from tetriinfer.engine.cpu_info import cpu_flags
+from tetriinfer.engine.cpu_info import isa_summary
 from tetriinfer.engine.engine_config import EngineConfig
 from tetriinfer.engine.llm_engine import build_runner
 from tetriinfer.engine.make_model import default_model_path
@@ -75,7 +75,7 @@ def main() -> int:
                                 f"{chunked / whole:.2f}x |")
                     bar.update(1)
     bar.close()
-    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()) or "unknown"
+    isa = isa_summary()
     lines = ["# Chunked prefill on CPU: whole prompt vs fixed-size chunks", "",
              f"`python benchmarks/bench_chunked_prefill.py` on {os.cpu_count()} CPU cores ({isa}), one torch thread, "
              f"model `{model}`; best of {a.repeats} per cell, whole and chunked alternating.", "",

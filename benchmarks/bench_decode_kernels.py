@@ -71,7 +71,7 @@ def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, kern
 
 
 def main() -> int:
-    from tetriinfer.engine.cpu_info import cpu_flags
+    from tetriinfer.engine.cpu_info import isa_summary
     from tetriinfer.engine.cpu_kernels import kernels_available
     from tetriinfer.engine.make_model import cache_dir, default_model_path, make_model
 
@@ -108,8 +108,7 @@ def main() -> int:
                         baseline_source if setting == "baseline" else None)
         key = (name, dtype, setting)
         best[key] = {b: min(t, best.get(key, {}).get(b, float("inf"))) for b, t in got.items()}
-    flags = cpu_flags()
-    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "unknown"
+    isa = isa_summary()
     lines = ["# Native CPU decode kernels: decode step time on vs off", "",
              f"`python benchmarks/bench_decode_kernels.py` on {os.cpu_count()} CPU cores ({isa}), one torch thread; "
              "one decode "

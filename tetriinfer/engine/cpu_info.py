@@ -33,6 +33,12 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
     return True
 
 
+def isa_summary() -> str:
+    """The instruction-set extensions that pick the engine's CPU paths, for reports ("unknown" without cpuinfo)."""
+    flags = cpu_flags()
+    return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "unknown"
+
+
 @functools.cache
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX bf16 tile instructions (where torch's oneDNN bf16 kernels are tuned)."""
