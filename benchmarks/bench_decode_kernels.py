@@ -1,5 +1,8 @@
 """Decode step time with the native CPU decode kernels on vs off (`TETRIINFER_CPU_KERNELS=1/0`), same run.
 
+On CPUs with AVX-512 BF16 a third setting, "no AVX-512", keeps the kernels but turns off the AVX-512 BF16 matmul
+(`TETRIINFER_AVX512_GEMM=0`: bf16 matmuls of at most 4 rows on the AVX2 kernel, the rest on oneDNN).
+
 For each dtype, model and batch size: one decode step of B requests over a context of --context tokens through
 the engine's runner (one torch thread, as a serving instance), best of --repeats, in alternating subprocesses
 (kernels on, off, on, off, ... --rounds each; best per setting), so a noisy spell hits both sides.
@@ -59,9 +62,16 @@ print(json.dumps(out))
 """
 
 
-def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, kernels: bool,
+SETTING_ENV = {"on": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_GEMM": "1"},
+               "no-avx512": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_GEMM": "0"},
+               "off": {"TETRIINFER_CPU_KERNELS": "0"},
+               "baseline": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_GEMM": "0"}}
+SETTING_TITLE = {"on": "kernels on", "no-avx512": "no AVX-512 gemm", "off": "kernels off"}
+
+
+def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, setting: str,
               source: Path | None = None) -> dict[int, float]:
-    env = {**os.environ, "TETRIINFER_CPU_KERNELS": "1" if kernels else "0", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **SETTING_ENV[setting], "HF_HUB_OFFLINE": "1"}
     argv = [sys.executable, "-c", CHILD, model, dtype, str(ctx), str(repeats), batches]
     done = subprocess.run(argv + ([str(source)] if source is not None else []), env=env,
                           capture_output=True, text=True, timeout=1800)
@@ -72,7 +82,7 @@ def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, kern
 
 def main() -> int:
     from tetriinfer.engine.cpu_info import isa_summary
-    from tetriinfer.engine.cpu_kernels import kernels_available
+    from tetriinfer.engine.cpu_kernels import avx512_gemm_available, kernels_available
     from tetriinfer.engine.make_model import cache_dir, default_model_path, make_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -97,14 +107,17 @@ def main() -> int:
     if not (small / "config.json").exists():
         make_model("llama", "small", small, seed=0)
     cases = [("tiny-llama", str(default_model_path()), "float32", "1,4,8,16,64"),
-             ("tiny-llama", str(default_model_path()), "bfloat16", "1,4,8,16,64"),
+             ("tiny-llama", str(default_model_path()), "bfloat16", "1,4,8,16,32,64"),
              ("small-llama", str(small), "float32", "1,4,16"),
-             ("small-llama", str(small), "bfloat16", "1,4,16")]
-    settings = ["on", "off"] + (["baseline"] if baseline_source is not None else [])
+             ("small-llama", str(small), "bfloat16", "1,4,8,16")]
+    settings = (["on"] + (["no-avx512"] if avx512_gemm_available() else []) + ["off"]
+                + (["baseline"] if baseline_source is not None else []))
     best: dict[tuple[str, str, str], dict[int, float]] = {}
     jobs = [(c, k) for c in cases for _ in range(args.rounds) for k in settings]
     for (name, path, dtype, batches), setting in tqdm(jobs, desc="decode steps", unit="run"):
-        got = run_child(path, dtype, args.context, args.repeats, batches, setting != "off",
+        if setting == "no-avx512" and dtype != "bfloat16":
+            continue  # the AVX-512 BF16 matmul only runs bf16
+        got = run_child(path, dtype, args.context, args.repeats, batches, setting,
                         baseline_source if setting == "baseline" else None)
         key = (name, dtype, setting)
         best[key] = {b: min(t, best.get(key, {}).get(b, float("inf"))) for b, t in got.items()}
@@ -115,26 +128,25 @@ def main() -> int:
              f"step of B requests over {args.context}-token contexts through the engine's runner; best of "
              f"{args.repeats} steps x {args.rounds} alternating rounds per setting (same run)."
              + (f" Baseline: the kernels of git revision `{args.baseline_rev}`." if baseline_source else ""), ""]
-    if baseline_source is None:
-        lines += ["| model | dtype | batch | kernels on ms | kernels off ms | speedup |", "|---|---|---:|---:|---:|---:|"]
-    else:
-        lines += [f"| model | dtype | batch | kernels on ms | {args.baseline_rev} kernels ms | kernels off ms | "
-                  f"on vs {args.baseline_rev} | on vs off |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    shown = [x for x in settings if x != "baseline"] + (["baseline"] if baseline_source is not None else [])
+    titles = [f"{args.baseline_rev} kernels" if x == "baseline" else SETTING_TITLE[x] for x in shown]
+    lines += ["| model | dtype | batch | " + " | ".join(f"{t} ms" for t in titles) + " | "
+              + " | ".join(f"on vs {t}" for t in titles[1:]) + " |",
+              "|---|---|---:|" + "---:|" * (2 * len(shown) - 1)]
     for name, _, dtype, batches in cases:
-        on, off = best[(name, dtype, "on")], best[(name, dtype, "off")]
         for b in (int(x) for x in batches.split(",")):
-            if baseline_source is None:
-                lines.append(f"| {name} | {dtype} | {b} | {on[b] * 1e3:.1f} | {off[b] * 1e3:.1f} | "
-                             f"{off[b] / on[b]:.2f}x |")
-            else:
-                base = best[(name, dtype, "baseline")]
-                lines.append(f"| {name} | {dtype} | {b} | {on[b] * 1e3:.1f} | {base[b] * 1e3:.1f} | "
-                             f"{off[b] * 1e3:.1f} | {base[b] / on[b]:.2f}x | {off[b] / on[b]:.2f}x |")
+            ms = {x: best[(name, dtype, x)][b] for x in shown if (name, dtype, x) in best}
+            on = ms["on"]
+            lines.append(f"| {name} | {dtype} | {b} | "
+                         + " | ".join(f"{ms[x] * 1e3:.1f}" if x in ms else "-" for x in shown) + " | "
+                         + " | ".join(f"{ms[x] / on:.2f}x" if x in ms else "-" for x in shown[1:]) + " |")
     lines += ["", "Kernels on: fp32 and bf16 decode attention read K/V in place from the paged cache; linear "
               "layers of few rows use the native matmul (fp32: up to 48 rows; bf16: fewer than 16 rows on CPUs "
-              "without bf16 instructions, at most 4 rows on CPUs with AVX-512 BF16 but no AMX; bf16 attention "
-              "and matmuls stay with torch on AMX CPUs), which reads each group of four weight rows once and "
-              "applies it to the whole batch. Off: torch's gather + SDPA and torch's linear layers.", ""]
+              "without bf16 instructions; on CPUs with AVX-512 BF16 but no AMX up to 64 rows on the AVX-512 BF16 "
+              "matmul, or without it at most 4 rows on the AVX2 one; bf16 attention and matmuls stay with torch "
+              "on AMX CPUs), which reads each group of four weight rows once and applies it to the whole batch. "
+              "No AVX-512 gemm: the same without the AVX-512 BF16 matmul (the routing before it). Off: torch's "
+              "gather + SDPA and torch's linear layers.", ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -140,26 +140,98 @@ def test_linear_uses_the_kernel_for_few_bf16_rows_only(monkeypatch: pytest.Monke
         torch.set_num_threads(threads)
 
 
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.avx512_gemm_available(),
+                                  reason="no AVX-512 BF16 CPU (or no C compiler): that matmul is not built here")
+
+
+@needs_avx512
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 15), (1, 33, 32), (1, 5, 77), (1, 6, 2100),
+                                           (2, 5, 31), (3, 64, 100), (4, 9, 48), (5, 130, 768), (6, 8, 33),
+                                           (7, 12, 64), (8, 640, 384), (13, 257, 96), (16, 384, 1024),
+                                           (37, 11, 65), (64, 3, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_bf16_avx512_matches_fp32_reference(m: int, n: int, k: int, bias: bool) -> None:
+    """Every weight-group remainder (N % 4), pass split of the rows (ceil(M / 6) near-equal passes) and K tail
+    (K % 32, masked loads) against an fp32 reference: at most one bf16 rounding step apart (exact products, fp32
+    sums in another order)."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = cpu_kernels.gemm_bf16_avx512(x, w, b)
+    want = reference(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    ulp = want.float().abs().clamp_min(1e-3) * 2.0**-7
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+
+
+@needs_avx512
+def test_gemm_bf16_avx512_is_exact_on_representable_sums_and_rounds_to_nearest_even() -> None:
+    x = torch.tensor([[1.0, 2.0, -3.0, 0.5]]).bfloat16()
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [256.0, 1.0, 0.0, 0.0]]).bfloat16()
+    assert cpu_kernels.gemm_bf16_avx512(x, w, None).tolist() == [[0.5, 0.0, 258.0]]
+    x2 = torch.tensor([[1.0, 1.5], [1.0, 2.5]]).bfloat16()  # 257.5 and 258.5: ties, to even (256 / 258 / 260)
+    w2 = torch.tensor([[256.0, 1.0]]).bfloat16()
+    want = [[torch.tensor(257.5).bfloat16().item()], [torch.tensor(258.5).bfloat16().item()]]
+    assert cpu_kernels.gemm_bf16_avx512(x2, w2, None).tolist() == want
+    assert cpu_kernels.gemm_bf16_avx512(x2, w2, torch.tensor([0.0]).bfloat16()).tolist() == want
+
+
+@needs_avx512
+def test_gemm_bf16_avx512_rejects_what_it_cannot_run() -> None:
+    w = torch.zeros(3, 4).bfloat16()
+    for x, weight, bias in [(torch.zeros(1, 5).bfloat16(), w, None),  # K mismatch
+                            (torch.zeros(1, 4).bfloat16(), w, torch.zeros(2).bfloat16()),  # bias length
+                            (torch.zeros(1, 4), w, None),  # fp32 x
+                            (torch.zeros(cpu_kernels.MAX_ROWS + 1, 4).bfloat16(), w, None),  # too many rows
+                            (torch.zeros(0, 4).bfloat16(), w, None)]:  # no rows
+        with pytest.raises(ValueError, match="gemm_bf16_avx512"):
+            cpu_kernels.gemm_bf16_avx512(x, weight, bias)
+
+
+def test_avx512_gemm_needs_every_flag_and_has_its_own_switch(tmp_path: Path) -> None:
+    assert not cpu_kernels.avx512_gemm_available() or cpu_kernels.AVX512_FLAGS <= cpu_flags()
+    code = ("from tetriinfer.engine import cpu_kernels as c; import sys; "
+            "sys.exit(0 if (not c.avx512_gemm_available() and c.kernels_available() == (sys.argv[1] == '1')) "
+            "else 1)")
+    for env, base in (({"TETRIINFER_AVX512_GEMM": "0"}, cpu_kernels.kernels_available()),
+                      ({"TETRIINFER_CPU_KERNELS": "0"}, False)):
+        env = {**os.environ, **env, "PYTHONPATH": ":".join(sys.path)}
+        done = subprocess.run([sys.executable, "-c", code, "1" if base else "0"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, (env, done.stderr[-2000:])
+
+
 @needs_kernel
 @pytest.mark.parametrize("wants_native", [True, False])
+@pytest.mark.parametrize("avx512", [True, False])
 def test_bf16_decode_routing_on_cpus_with_bf16_instructions(monkeypatch: pytest.MonkeyPatch,
-                                                            wants_native: bool) -> None:
+                                                            wants_native: bool, avx512: bool) -> None:
     """With bf16 instructions (cpu_has_native), few-row bf16 matmuls and bf16 decode attention take the native
-    kernels exactly when `bf16_decode_wants_native_kernels` says so (no AMX); prefill-sized matmuls never do."""
+    kernels exactly when `bf16_decode_wants_native_kernels` says so (no AMX): the AVX-512 BF16 matmul up to
+    GEMM_BF16_AVX512_MAX_ROWS rows where it is built, else the AVX2 one up to GEMV_BF16_NATIVE_CPU_MAX_ROWS;
+    prefill-sized matmuls never do."""
     import tetriinfer.engine.attention as attention
     import tetriinfer.engine.models.layers as layers
 
+    if avx512 and not cpu_kernels.avx512_gemm_available():
+        pytest.skip("no AVX-512 BF16 CPU here: the AVX-512 route cannot run")
     monkeypatch.setattr(layers, "cpu_has_native", lambda dtype: True)
     monkeypatch.setattr(layers, "bf16_decode_wants_native_kernels", lambda: wants_native)
     monkeypatch.setattr(attention, "bf16_decode_wants_native_kernels", lambda: wants_native)
+    monkeypatch.setattr(layers, "avx512_gemm_available", lambda: avx512)
     calls: list[int] = []
+    calls512: list[int] = []
     monkeypatch.setattr(layers, "gemv", lambda x, w, b: calls.append(x.shape[0]) or cpu_kernels.gemv(x, w, b))
+    monkeypatch.setattr(layers, "gemm_bf16_avx512",
+                        lambda x, w, b: calls512.append(x.shape[0]) or cpu_kernels.gemm_bf16_avx512(x, w, b))
     lin = Linear(48, 20, bias=True).to(torch.bfloat16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    few, most = layers.GEMV_BF16_NATIVE_CPU_MAX_ROWS, layers.GEMM_BF16_AVX512_MAX_ROWS
     try:
         with torch.inference_mode():
-            for rows in (1, layers.GEMV_BF16_NATIVE_CPU_MAX_ROWS, layers.GEMV_BF16_NATIVE_CPU_MAX_ROWS + 1, 64):
+            for rows in (1, few, few + 1, most, most + 1):
                 x = torch.randn(rows, 48).bfloat16()
                 got = lin(x)
                 want = reference(x, lin.weight, lin.bias).float()
@@ -169,7 +241,12 @@ def test_bf16_decode_routing_on_cpus_with_bf16_instructions(monkeypatch: pytest.
             assert attention._use_decode_kernel(q.float(), torch.zeros(8, 2, 16))  # fp32: always native
     finally:
         torch.set_num_threads(threads)
-    assert calls == ([1, layers.GEMV_BF16_NATIVE_CPU_MAX_ROWS] if wants_native else [])
+    if not wants_native:
+        assert calls == calls512 == []
+    elif avx512:
+        assert (calls, calls512) == ([], [1, few, few + 1, most])
+    else:
+        assert (calls, calls512) == ([1, few], [])
 
 
 def test_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(tmp_path: Path) -> None:

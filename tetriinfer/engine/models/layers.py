@@ -10,7 +10,13 @@ from torch import nn
 
 from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, cpu_has_native
-from tetriinfer.engine.cpu_kernels import MAX_ROWS, gemv, kernels_available
+from tetriinfer.engine.cpu_kernels import (
+    MAX_ROWS,
+    avx512_gemm_available,
+    gemm_bf16_avx512,
+    gemv,
+    kernels_available,
+)
 
 # Below this many rows a reduced-precision matmul stays native: it is memory-bound (decode), and reading
 # the weights once in bf16 beats converting them to fp32 first.
@@ -22,6 +28,10 @@ GEMV_F32_MAX_ROWS = 48
 # use the native kernel too; from ~8 rows oneDNN's native bf16 GEMM wins (measured on Zen 4: whole decode steps of
 # the tiny llama at batch 1/4/8/16 were fastest with 4).
 GEMV_BF16_NATIVE_CPU_MAX_ROWS = 4
+# Where the AVX-512 BF16 matmul (vdpbf16ps) is built, bf16 matmuls of at most this many rows take it instead (CPUs
+# without AMX): on Zen 4 it ran the tiny llama's decode matmuls 3.3-3.6x faster than oneDNN at 1-8 rows, 2.3x at 16,
+# 1.13x at 64 and at parity at 96 (one core, benchmarks/bench_decode_kernels.py has the whole steps).
+GEMM_BF16_AVX512_MAX_ROWS = 64
 # RMSNorm and RoPE of at most this many tokens (decode steps) use the fused native kernels; prefill chunks keep
 # torch's vectorized ops, which win on many rows.
 FUSED_MAX_ROWS = 64
@@ -44,8 +54,9 @@ class Linear(nn.Linear):
     reduced-precision matmuls of >= UPCAST_MIN_ROWS rows in fp32 (AVX2: torch's bf16 GEMM runs ~5x slower than
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
     `tetriinfer.engine.cpu_kernels` when it is available and the engine runs one torch thread; fp32 matmuls of at
-    most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions, and so do bf16
-    matmuls of at most GEMV_BF16_NATIVE_CPU_MAX_ROWS rows on CPUs with bf16 instructions but no AMX. Same arithmetic as
+    most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions; on CPUs with bf16
+    instructions but no AMX, bf16 matmuls of at most GEMM_BF16_AVX512_MAX_ROWS rows take the AVX-512 BF16 kernel
+    (where it is built), else those of at most GEMV_BF16_NATIVE_CPU_MAX_ROWS rows the AVX2 one. Same arithmetic as
     torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
     CUDA is untouched."""
 
@@ -60,9 +71,12 @@ class Linear(nn.Linear):
                     return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
                 if use_gemv(x, self.weight):
                     return gemv(x.contiguous(), self.weight, self.bias)
-            elif (x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_BF16_NATIVE_CPU_MAX_ROWS
+            elif (x.dtype == torch.bfloat16 and x.shape[0] <= GEMM_BF16_AVX512_MAX_ROWS
                   and bf16_decode_wants_native_kernels() and use_gemv(x, self.weight)):
-                return gemv(x.contiguous(), self.weight, self.bias)
+                if avx512_gemm_available():
+                    return gemm_bf16_avx512(x.contiguous(), self.weight, self.bias)
+                if x.shape[0] <= GEMV_BF16_NATIVE_CPU_MAX_ROWS:
+                    return gemv(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
