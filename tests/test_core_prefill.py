@@ -83,6 +83,50 @@ def test_every_chunk_is_exactly_chunk_size_and_prompt_only() -> None:
     assert sched.schedule().kind is StepKind.IDLE
 
 
+def test_build_chunk_merge_limit_runs_a_saturating_head_alone_and_merges_small_prompts() -> None:
+    from tetriinfer.core.chunking import build_chunk
+
+    def slices(cands: list[tuple[str, int, int]], limit: int | None) -> list[tuple[str, int, int]]:
+        chunk = build_chunk(cands, 512, pad=False, merge_limit=limit)
+        return [(s.request_id, s.start, s.num_tokens) for s in chunk.slices]
+
+    big = [("a", 0, 200), ("b", 0, 300)]
+    assert slices(big, None) == [("a", 0, 200), ("b", 0, 300)]  # the paper: fill the chunk
+    assert slices(big, 128) == [("a", 0, 200)]  # the head alone already saturates: nothing merged behind it
+    assert slices([("a", 0, 900), ("b", 0, 10)], 128) == [("a", 0, 512)]  # the head is bounded by chunk_size only
+    small = [("a", 0, 40), ("b", 0, 50), ("c", 0, 100)]
+    assert slices(small, 128) == [("a", 0, 40), ("b", 0, 50), ("c", 0, 38)]  # merged up to the limit in all
+    assert slices(small, 90) == [("a", 0, 40), ("b", 0, 50)]
+    padded = build_chunk(big, 512, pad=True, merge_limit=128)
+    assert padded.num_real_tokens == 200 and padded.num_padding == 312  # padding still fills the chunk
+    with pytest.raises(ValueError, match="merge_limit"):
+        build_chunk(big, 512, merge_limit=0)
+    with pytest.raises(ValueError, match="merge_limit"):
+        PrefillSchedulerConfig(merge_limit=0)
+
+
+@pytest.mark.parametrize("limit", [None, 128])
+def test_merge_limit_gives_the_shortest_prompt_its_first_token_alone(limit: int | None) -> None:
+    """SRTF over a 200- and a 300-token prompt with 512-token chunks: filling the chunk makes both wait for one
+    500-token forward; with a merge limit below 200 the short one gets its first token from a 200-token forward."""
+    cfg = PrefillSchedulerConfig(policy="srtf", chunk_size=512, pad_last_chunk=False, merge_limit=limit)
+    sched = PrefillScheduler(cfg, KVCacheManager(200, 16))
+    sched.add_request(make_req("long", 300))
+    sched.add_request(make_req("short", 200))
+    out, upd = step(sched)
+    first = [(s.request_id, s.num_tokens) for s in out.segments]
+    if limit is None:
+        assert first == [("short", 200), ("long", 300)] and {r.request_id for r in upd.prefilled} == {"short", "long"}
+    else:
+        assert first == [("short", 200)] and [r.request_id for r in upd.prefilled] == ["short"]
+        out, upd = step(sched)
+        assert [(s.request_id, s.num_tokens) for s in out.segments] == [("long", 300)]
+    for r in list(sched.handed_over.values()):
+        sched.release(r.request_id)
+    sched.check_invariants()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
 def test_sched_batch_bounds_starvation_for_late_short_arrivals() -> None:
     sched = sched_with("sjf", batch=2, chunk=32)
     sched.add_request(make_req("long", 200))
@@ -199,17 +243,19 @@ def test_add_request_validates() -> None:
     policy=st.sampled_from(list(PrefillPolicy)),
     batch=st.integers(1, 5),
     chunk=st.sampled_from([8, 16, 48]),
+    merge=st.sampled_from([None, 1, 5, 20]),
     blocks=st.integers(8, 40),
     lens=st.lists(st.integers(1, 120), min_size=1, max_size=14),
     seed=st.integers(0, 10_000),
 )
 def test_property_prefill(
-    policy: PrefillPolicy, batch: int, chunk: int, blocks: int, lens: list[int], seed: int
+    policy: PrefillPolicy, batch: int, chunk: int, merge: int | None, blocks: int, lens: list[int], seed: int
 ) -> None:
     rng = random.Random(seed)
     block_size = 4
     sched = PrefillScheduler(
-        PrefillSchedulerConfig(policy=policy, prefill_sched_batch=batch, chunk_size=chunk, max_model_len=4096),
+        PrefillSchedulerConfig(policy=policy, prefill_sched_batch=batch, chunk_size=chunk, max_model_len=4096,
+                               merge_limit=merge),
         KVCacheManager(blocks, block_size),
     )
     lens = [min(n, blocks * block_size) for n in lens]

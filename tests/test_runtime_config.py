@@ -26,6 +26,20 @@ def test_chunk_padding_resolves_per_device() -> None:
         ClusterConfig(model="m", chunk_padding="some")
 
 
+def test_prefill_merge_limit_reaches_the_prefill_worker_from_the_command_line() -> None:
+    import argparse
+
+    from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_cluster_args(p)
+    cfg = cluster_config_from_args(p.parse_args(["--prefill-merge-limit", "128"]), "m")
+    assert cfg.prefill_merge_limit == 128
+    assert cluster_config_from_args(p.parse_args([]), "m").prefill_merge_limit is None  # the paper: fill chunks
+    with pytest.raises(ValueError, match="prefill_merge_limit"):
+        ClusterConfig(model="m", prefill_merge_limit=0)
+
+
 @pytest.mark.parametrize("pad", [True, False])
 def test_prefill_scheduler_pads_only_when_asked(pad: bool) -> None:
     kv = KVCacheManager(64, 16)

@@ -3,6 +3,12 @@
 Prompt tokens of several requests are sliced and merged, in the scheduler's order, into chunks of
 exactly ``chunk_size`` tokens; the last chunk is padded. Each request keeps a pointer to its last
 prefilled token (``num_computed_tokens``), so a request may span several chunks.
+
+Merge limit (``merge_limit``, off by default): the paper fills every chunk because below the accelerator's
+saturation threshold extra tokens are free. Where a forward's cost grows with every token past a low threshold
+(a CPU saturates at ~128 tokens), tokens merged in behind the first request only delay its first token, so a
+later request joins a chunk only while the chunk holds fewer than ``merge_limit`` tokens, and only up to
+``merge_limit`` tokens in all; the first request's slice is bounded by ``chunk_size`` alone.
 """
 
 from __future__ import annotations
@@ -36,21 +42,29 @@ def build_chunk(
     chunk_size: int,
     admit: Callable[[str, int, int], int] | None = None,
     pad: bool = True,
+    merge_limit: int | None = None,
 ) -> Chunk:
     """Fill one chunk from ``candidates`` = (request_id, start, num_remaining) in priority order.
 
     ``admit(request_id, start, n)`` may shrink a slice (e.g. to the KV blocks available) by returning
     how many of the ``n`` tokens it accepts; returning 0 stops filling (order is preserved: a later
-    request never overtakes an earlier one that could not get memory).
+    request never overtakes an earlier one that could not get memory). ``merge_limit``: see the module
+    docstring (None: fill the whole chunk).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if merge_limit is not None and merge_limit < 1:
+        raise ValueError(f"merge_limit must be >= 1 or None, got {merge_limit}")
     budget = chunk_size
     slices: list[ChunkSlice] = []
     for request_id, start, remaining in candidates:  # lazily: no candidate is drawn once the chunk is full
         if remaining <= 0:
             continue
         n = min(budget, remaining)
+        if slices and merge_limit is not None:
+            n = min(n, merge_limit - (chunk_size - budget))
+            if n <= 0:
+                break
         if admit is not None:
             n = min(n, admit(request_id, start, n))
             if n <= 0:

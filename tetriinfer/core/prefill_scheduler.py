@@ -45,6 +45,8 @@ class PrefillSchedulerConfig:
     require_prediction: bool = False  # hold prefilled requests until ``set_prediction``
     # with prefix caching: SJF/LJF/SRTF rank a prompt by its uncached tokens (False: by all its tokens)
     cache_aware_order: bool = True
+    # later requests join a chunk only while it holds fewer tokens than this (core.chunking; None: fill it)
+    merge_limit: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_prefill_policy(self.policy))
@@ -54,6 +56,8 @@ class PrefillSchedulerConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.merge_limit is not None and self.merge_limit < 1:
+            raise ValueError(f"merge_limit must be >= 1 or None, got {self.merge_limit}")
 
 
 @dataclass(frozen=True)
@@ -218,7 +222,7 @@ class PrefillScheduler:
             return fit
 
         return build_chunk(prefill_candidates(order, self.kv), self.config.chunk_size, admit=admit,
-                           pad=self.config.pad_last_chunk)
+                           pad=self.config.pad_last_chunk, merge_limit=self.config.merge_limit)
 
     # ---- results -------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: StepResult) -> PrefillStepUpdate:

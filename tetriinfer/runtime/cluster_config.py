@@ -64,6 +64,7 @@ class ClusterConfig:
     prefill_policy: str = "fcfs"
     prefill_sched_batch: int = 16
     cache_aware_prefill_order: bool = True  # with prefix caching: shortest-first counts uncached tokens only
+    prefill_merge_limit: int | None = None  # later prompts join a chunk only below this many tokens (None: fill)
     dispatch_policy: str = "length-aware"
     decode_policy: str = "greedy"
     heavy_decode_tokens: int = 128
@@ -125,6 +126,8 @@ class ClusterConfig:
         elif self.instances < 1:
             raise ValueError("colocated modes need >= 1 instance")
         pads_last_chunk(self.chunk_padding, self.device)  # validates chunk_padding
+        if self.prefill_merge_limit is not None and self.prefill_merge_limit < 1:
+            raise ValueError(f"prefill_merge_limit must be >= 1 (or unset), got {self.prefill_merge_limit}")
         if self.cores_per_instance < 1:
             raise ValueError("cores_per_instance must be >= 1")
         if not 0 < self.flip_threshold < 1:

@@ -44,6 +44,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="with --enable-prefix-caching: --prefill-policy sjf/ljf/srtf rank a prompt by its tokens not "
                         "found in the prefix cache (a long, mostly cached prompt is a short job); "
                         "--no-cache-aware-prefill-order: by all its tokens")
+    p.add_argument("--prefill-merge-limit", type=int, default=None, metavar="TOKENS",
+                   help="prefill instances: a prompt joins a chunk behind another only while the chunk holds fewer "
+                        "than TOKENS tokens (and up to TOKENS in all); set it to the device's saturation threshold "
+                        "where every token past it costs time (a CPU: ~128), so merged tokens do not delay the first "
+                        "prompt's first token. Default: fill every chunk (the paper)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -150,7 +155,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=args.enable_prefix_caching, prefix_routing=args.prefix_routing,
-        cache_aware_prefill_order=args.cache_aware_prefill_order,
+        cache_aware_prefill_order=args.cache_aware_prefill_order, prefill_merge_limit=args.prefill_merge_limit,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,

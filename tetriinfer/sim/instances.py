@@ -68,6 +68,7 @@ class InstancePolicies:
     prefill_policy: str = "fcfs"
     prefill_sched_batch: int = 16
     cache_aware_prefill_order: bool = True
+    prefill_merge_limit: int | None = None
     chunk_size: int = 512
     pad_last_chunk: bool = False
     dispatch_policy: str = "length-aware"
@@ -185,7 +186,8 @@ class SimPrefill(SimInstance):
             PrefillSchedulerConfig(policy=pol.prefill_policy, prefill_sched_batch=pol.prefill_sched_batch,
                                    chunk_size=pol.chunk_size, pad_last_chunk=pol.pad_last_chunk,
                                    max_model_len=pol.max_model_len,
-                                   cache_aware_order=pol.cache_aware_prefill_order),
+                                   cache_aware_order=pol.cache_aware_prefill_order,
+                                   merge_limit=pol.prefill_merge_limit),
             kv,
         )
         self.dispatcher = Dispatcher(DispatcherConfig(policy=pol.dispatch_policy,
