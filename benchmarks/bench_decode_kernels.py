@@ -1,7 +1,7 @@
 """Decode step time with the native CPU decode kernels on vs off (`TETRIINFER_CPU_KERNELS=1/0`), same run.
 
 On CPUs with AVX-512 BF16 a third setting, "no AVX-512", keeps the kernels but turns off the AVX-512 BF16 matmul
-(`TETRIINFER_AVX512_GEMM=0`: bf16 matmuls of at most 4 rows on the AVX2 kernel, the rest on oneDNN).
+(`TETRIINFER_AVX512_BF16=0`: bf16 matmuls of at most 4 rows on the AVX2 kernel, the rest on oneDNN).
 
 For each dtype, model and batch size: one decode step of B requests over a context of --context tokens through
 the engine's runner (one torch thread, as a serving instance), best of --repeats, in alternating subprocesses
@@ -62,10 +62,10 @@ print(json.dumps(out))
 """
 
 
-SETTING_ENV = {"on": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_GEMM": "1"},
-               "no-avx512": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_GEMM": "0"},
+SETTING_ENV = {"on": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_BF16": "1"},
+               "no-avx512": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_BF16": "0"},
                "off": {"TETRIINFER_CPU_KERNELS": "0"},
-               "baseline": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_GEMM": "0"}}
+               "baseline": {"TETRIINFER_CPU_KERNELS": "1", "TETRIINFER_AVX512_BF16": "0"}}
 SETTING_TITLE = {"on": "kernels on", "no-avx512": "no AVX-512 gemm", "off": "kernels off"}
 
 
@@ -82,7 +82,7 @@ def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, sett
 
 def main() -> int:
     from tetriinfer.engine.cpu_info import isa_summary
-    from tetriinfer.engine.cpu_kernels import avx512_gemm_available, kernels_available
+    from tetriinfer.engine.cpu_kernels import avx512_bf16_available, kernels_available
     from tetriinfer.engine.make_model import cache_dir, default_model_path, make_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -110,7 +110,7 @@ def main() -> int:
              ("tiny-llama", str(default_model_path()), "bfloat16", "1,4,8,16,32,64"),
              ("small-llama", str(small), "float32", "1,4,16"),
              ("small-llama", str(small), "bfloat16", "1,4,8,16")]
-    settings = (["on"] + (["no-avx512"] if avx512_gemm_available() else []) + ["off"]
+    settings = (["on"] + (["no-avx512"] if avx512_bf16_available() else []) + ["off"]
                 + (["baseline"] if baseline_source is not None else []))
     best: dict[tuple[str, str, str], dict[int, float]] = {}
     jobs = [(c, k) for c in cases for _ in range(args.rounds) for k in settings]

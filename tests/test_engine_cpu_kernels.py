@@ -140,7 +140,7 @@ def test_linear_uses_the_kernel_for_few_bf16_rows_only(monkeypatch: pytest.Monke
         torch.set_num_threads(threads)
 
 
-needs_avx512 = pytest.mark.skipif(not cpu_kernels.avx512_gemm_available(),
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.avx512_bf16_available(),
                                   reason="no AVX-512 BF16 CPU (or no C compiler): that matmul is not built here")
 
 
@@ -189,12 +189,94 @@ def test_gemm_bf16_avx512_rejects_what_it_cannot_run() -> None:
             cpu_kernels.gemm_bf16_avx512(x, weight, bias)
 
 
-def test_avx512_gemm_needs_every_flag_and_has_its_own_switch(tmp_path: Path) -> None:
-    assert not cpu_kernels.avx512_gemm_available() or cpu_kernels.AVX512_FLAGS <= cpu_flags()
+def causal_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor,
+                     ctx_start: int) -> torch.Tensor:
+    """fp32 causal attention with a position offset: query i (position ctx_start + i) sees keys 0..ctx_start + i."""
+    lq, h, d = q.shape
+    group = h // kc.shape[1]
+    k = kc[rows].float().repeat_interleave(group, dim=1)  # [Lk, H, D]
+    v = vc[rows].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q.float(), k) / d**0.5
+    visible = torch.arange(rows.shape[0])[None, :] <= (ctx_start + torch.arange(lq))[:, None]  # [Lq, Lk]
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hij,jhd->ihd", p, v)
+
+
+@needs_avx512
+@pytest.mark.parametrize(("lq", "ctx_start", "heads", "kv_heads", "head_dim"),
+                         [(1, 0, 1, 1, 16), (3, 0, 6, 2, 64), (4, 0, 2, 2, 32), (17, 0, 4, 1, 64),
+                          (33, 0, 6, 2, 64), (100, 0, 6, 2, 64), (5, 7, 4, 2, 64), (31, 33, 6, 2, 64),
+                          (64, 64, 2, 1, 128), (9, 200, 3, 3, 256), (130, 0, 2, 1, 80)])
+def test_prefill_attention_matches_fp32_reference(lq: int, ctx_start: int, heads: int, kv_heads: int,
+                                                  head_dim: int) -> None:
+    """Every query-pass remainder (Lq % 4), key-step remainder (Lk % 32, odd key pairs), position offsets (chunks
+    after the first), grouped-query heads and head sizes up to 256 (past 128 the output sums live in memory),
+    K/V read through a scattered row table, against fp32 math."""
+    g = torch.Generator().manual_seed(lq * 100 + ctx_start + head_dim)
+    slots = 3 * (ctx_start + lq) + 5
+    kc = torch.randn(slots, kv_heads, head_dim, generator=g).bfloat16()
+    vc = torch.randn(slots, kv_heads, head_dim, generator=g).bfloat16()
+    rows = torch.randperm(slots, generator=g)[: ctx_start + lq].contiguous()
+    qkv = torch.randn(lq, heads + 7, head_dim, generator=g).bfloat16()
+    q = qkv[:, 2:2 + heads]  # a strided slice, as the fused qkv projection gives
+    got = cpu_kernels.prefill_attn_bf16(q, kc, vc, rows, ctx_start)
+    want = causal_reference(q, kc, vc, rows, ctx_start)
+    assert got.shape == (lq, heads, head_dim) and got.dtype == torch.bfloat16
+    # softmax weights rounded to bf16 for the sum over V, output rounded once: a few bf16 steps of |v| ~ 1
+    assert (got.float() - want).abs().max().item() < 3e-2
+
+
+@needs_avx512
+def test_prefill_attention_rejects_what_it_cannot_run() -> None:
+    kc = torch.zeros(8, 2, 64).bfloat16()
+    q = torch.zeros(2, 4, 64).bfloat16()
+    rows = torch.arange(2)
+    for args in [(q.float(), kc, kc, rows, 0), (q, kc, kc, rows[:1], 0), (q, kc, kc, rows.int(), 0),
+                 (torch.zeros(2, 3, 64).bfloat16(), kc, kc, rows, 0),  # heads not a multiple of kv heads
+                 (torch.zeros(2, 4, 24).bfloat16(), torch.zeros(8, 2, 24).bfloat16(),
+                  torch.zeros(8, 2, 24).bfloat16(), rows, 0)]:  # head size not a multiple of 16
+        with pytest.raises(ValueError, match="prefill_attn_bf16"):
+            cpu_kernels.prefill_attn_bf16(*args)
+
+
+@needs_avx512
+def test_bf16_prefill_takes_the_native_attention_and_generates_as_torch_does(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    """bf16 prefill segments (a first chunk and a continuation chunk) go through the kernel on this CPU, and greedy
+    generations agree with the kernel off until a near-tie (as for the decode kernels)."""
+    import tetriinfer.engine.attention as attention
+    from tetriinfer import LLM, SamplingParams
+    from tetriinfer.engine.make_model import default_model_path
+
+    calls: list[int] = []
+    real = attention.prefill_attn_bf16
+    monkeypatch.setattr(attention, "prefill_attn_bf16",
+                        lambda q, k, v, rows, start: calls.append(start) or real(q, k, v, rows, start))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(model=str(default_model_path()), dtype="bfloat16", chunk_size=32)
+        prompt = [5 + (7 * i) % 900 for i in range(50)]  # two chunks: 32 + 18 tokens
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+        on = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+        assert 0 in calls and 32 in calls  # the first chunk and the continuation both took the kernel
+        monkeypatch.setattr(attention, "_use_prefill_kernel", lambda q, k: False)
+        off = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    finally:
+        torch.set_num_threads(threads)
+    split = next((i for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids, strict=True)) if a != b), None)
+    assert split is None or split >= 1, (on.token_ids, off.token_ids)
+    if split is not None:
+        top = off.logprobs[split]
+        assert on.token_ids[split] in top and top[off.token_ids[split]] - top[on.token_ids[split]] <= 0.1
+
+
+def test_avx512_bf16_kernels_need_every_flag_and_have_their_own_switch(tmp_path: Path) -> None:
+    assert not cpu_kernels.avx512_bf16_available() or cpu_kernels.AVX512_FLAGS <= cpu_flags()
     code = ("from tetriinfer.engine import cpu_kernels as c; import sys; "
-            "sys.exit(0 if (not c.avx512_gemm_available() and c.kernels_available() == (sys.argv[1] == '1')) "
+            "sys.exit(0 if (not c.avx512_bf16_available() and c.kernels_available() == (sys.argv[1] == '1')) "
             "else 1)")
-    for env, base in (({"TETRIINFER_AVX512_GEMM": "0"}, cpu_kernels.kernels_available()),
+    for env, base in (({"TETRIINFER_AVX512_BF16": "0"}, cpu_kernels.kernels_available()),
                       ({"TETRIINFER_CPU_KERNELS": "0"}, False)):
         env = {**os.environ, **env, "PYTHONPATH": ":".join(sys.path)}
         done = subprocess.run([sys.executable, "-c", code, "1" if base else "0"], env=env, capture_output=True,
@@ -214,12 +296,12 @@ def test_bf16_decode_routing_on_cpus_with_bf16_instructions(monkeypatch: pytest.
     import tetriinfer.engine.attention as attention
     import tetriinfer.engine.models.layers as layers
 
-    if avx512 and not cpu_kernels.avx512_gemm_available():
+    if avx512 and not cpu_kernels.avx512_bf16_available():
         pytest.skip("no AVX-512 BF16 CPU here: the AVX-512 route cannot run")
     monkeypatch.setattr(layers, "cpu_has_native", lambda dtype: True)
     monkeypatch.setattr(layers, "bf16_decode_wants_native_kernels", lambda: wants_native)
     monkeypatch.setattr(attention, "bf16_decode_wants_native_kernels", lambda: wants_native)
-    monkeypatch.setattr(layers, "avx512_gemm_available", lambda: avx512)
+    monkeypatch.setattr(layers, "avx512_bf16_available", lambda: avx512)
     calls: list[int] = []
     calls512: list[int] = []
     monkeypatch.setattr(layers, "gemv", lambda x, w, b: calls.append(x.shape[0]) or cpu_kernels.gemv(x, w, b))

@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, cpu_has_native
-from tetriinfer.engine.cpu_kernels import decode_attn, kernels_available
+from tetriinfer.engine.cpu_kernels import (
+    avx512_bf16_available,
+    decode_attn,
+    kernels_available,
+    prefill_attn_bf16,
+)
 
 
 @dataclass
@@ -79,6 +84,15 @@ def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return torch.get_num_threads() == 1 and kernels_available()
 
 
+def _use_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The native AVX-512 BF16 causal attention (`cpu_kernels.prefill_attn_bf16`) replaces SDPA for bf16 prefill
+    segments on CPUs without AMX that have AVX-512 BF16, when the engine runs one torch thread (the kernel is
+    single-threaded; torch's flash attention parallelizes over heads)."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+            and k_cache.is_contiguous() and q.shape[-1] % 16 == 0 and bf16_decode_wants_native_kernels()
+            and torch.get_num_threads() == 1 and avx512_bf16_available())
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -112,8 +126,13 @@ def paged_attention(
         else:
             qd = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
             out.index_copy_(0, g.rows, _sdpa(qd, kc, vc, g.mask, causal=False).squeeze(2))
+    native_prefill = bool(meta.prefill_segments) and _use_prefill_kernel(q, k_cache)
     for seg in meta.prefill_segments:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        if native_prefill:  # K/V already written to the cache above: read them there, in place
+            slots = seg.ctx_slots if seg.ctx_slots is not None else meta.slot_mapping[rows]
+            out[rows] = prefill_attn_bf16(q[rows], k_cache, v_cache, slots.contiguous(), seg.ctx_start)
+            continue
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if seg.ctx_slots is None:
             ks = k[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]

@@ -8,15 +8,18 @@ to the memory bandwidth and applies them to every row while they are in cache.
 K/V in place (torch needs a gather, two fp32 copies and small batched matmuls: ~250 us per layer at batch 1).
 `rmsnorm(x, w, eps)` and `rope(x, cos, sin)`: a decode step's per-token RMSNorm and rotary embedding as one call each
 (torch spends 4 and 6 small ops on them, a few microseconds each, per layer), with torch's per-op rounding.
+`prefill_attn_bf16(q, k, v, rows, ctx_start)`: causal prefill attention in bf16 on vdpbf16ps (torch's CPU flash
+attention runs bf16 at ~18 GFLOP/s without AMX), for the same CPUs.
 `gemm_bf16_avx512(x, weight, bias)`: the same few-row bf16 matmul with AVX-512 BF16's vdpbf16ps (32 bf16 pairs per
 instruction), for CPUs that have it (AMD Zen 4, Intel Cooper Lake / Sapphire Rapids): 3-7x the AVX2 kernel and
 1.1-3.6x oneDNN's bf16 GEMM from 1 to 64 rows on Zen 4 (`benchmarks/bench_decode_kernels.py`).
-Sources: `csrc/decode_kernels.c` (AVX2 + FMA), `csrc/gemm_bf16_avx512.c` (built only where the CPU has AVX-512 BF16).
+Sources: `csrc/decode_kernels.c` (AVX2 + FMA), `csrc/avx512_bf16.c` (built only where the CPU has AVX-512 BF16).
 
 The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
 into `<cache>/kernels/` (once per source version) and loaded with ctypes -- no torch headers, no build step at
 install. Every failure (no compiler, no AVX2/FMA, a compile error) leaves `kernels_available()` False and callers keep torch's path.
-`TETRIINFER_CPU_KERNELS=0` turns the kernels off; `TETRIINFER_AVX512_GEMM=0` only the AVX-512 BF16 matmul.
+`TETRIINFER_CPU_KERNELS=0` turns the kernels off; `TETRIINFER_AVX512_BF16=0` only the AVX-512 BF16 ones (matmul and
+prefill attention).
 
 Invariants: the kernels only read their inputs and write a fresh output tensor; it runs with the GIL released
 (ctypes), single-threaded, so it is used only where the engine runs one torch thread (the CPU serving layout).
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernels.c"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c11"]
-AVX512_SOURCE = SOURCE.with_name("gemm_bf16_avx512.c")
+AVX512_SOURCE = SOURCE.with_name("avx512_bf16.c")
 AVX512_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fPIC", "-shared",
                  "-std=c11"]
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
@@ -131,7 +134,7 @@ def kernels_available() -> bool:
 def _load_avx512() -> ctypes.CDLL | None:
     """The AVX-512 BF16 matmul library, or None: kernels off (either switch), a CPU without every flag it is built
     for, no compiler, or a failed build (logged; callers keep the other paths)."""
-    if os.environ.get("TETRIINFER_AVX512_GEMM", "1") == "0" or _load() is None:
+    if os.environ.get("TETRIINFER_AVX512_BF16", "1") == "0" or _load() is None:
         return None
     if not AVX512_FLAGS <= cpu_flags():
         return None
@@ -140,6 +143,7 @@ def _load_avx512() -> ctypes.CDLL | None:
         if dll is None:
             return None
         fn = dll.tetri_gemm_bf16_avx512
+        attn = dll.tetri_prefill_attn_bf16
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("AVX-512 BF16 matmul unavailable (%s %s): the other kernels are used", e,
@@ -147,17 +151,21 @@ def _load_avx512() -> ctypes.CDLL | None:
         return None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     fn.restype = ctypes.c_int
+    attn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+                     + [ctypes.c_int64] * 5 + [ctypes.c_float])
+    attn.restype = ctypes.c_int
     return dll
 
 
-def avx512_gemm_available() -> bool:
-    """Whether `gemm_bf16_avx512` can run here (AVX-512 BF16 CPU, kernels built, neither switch off)."""
+def avx512_bf16_available() -> bool:
+    """Whether `gemm_bf16_avx512` and `prefill_attn_bf16` can run here (AVX-512 BF16 CPU, kernels built, neither
+    switch off)."""
     return _load_avx512() is not None
 
 
 def gemm_bf16_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[M, K] @ [N, K].T (+ [N]) -> [M, N], all bf16 (products exact, sums in fp32, output rounded to nearest even);
-    M <= MAX_ROWS. Call only when `avx512_gemm_available()`; contiguous CPU tensors."""
+    M <= MAX_ROWS. Call only when `avx512_bf16_available()`; contiguous CPU tensors."""
     dll = _load_avx512()
     assert dll is not None
     m, k = x.shape
@@ -247,4 +255,33 @@ def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
             out.data_ptr(), b, h, hkv, d, length, d ** -0.5)
     if rc != 0:
         raise MemoryError("decode_attn: out of memory for its scratch buffers")
+    return out
+
+
+PREFILL_ATTN_MAX_HEAD_DIM = 256
+
+
+def prefill_attn_bf16(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, rows: torch.Tensor,
+                      ctx_start: int) -> torch.Tensor:
+    """Causal prefill attention in bf16 (AVX-512 BF16): q [Lq, H, D] (heads and dims contiguous, any token stride);
+    k_base / v_base [S, Hkv, D] contiguous, row ``rows[j]`` holding key position j for j < ctx_start + Lq (rows: int64
+    [ctx_start + Lq]); query i sits at position ctx_start + i and sees keys 0..ctx_start + i -> [Lq, H, D] bf16
+    (fp32 scores and softmax, weights rounded to bf16 for the sum over V). Call only when
+    `avx512_bf16_available()`; rows must lie in [0, S) (the engine's own slots: not checked per row)."""
+    dll = _load_avx512()
+    assert dll is not None
+    lq, h, d = q.shape
+    s, hkv, dk = k_base.shape
+    if (q.dtype != torch.bfloat16 or k_base.dtype != torch.bfloat16 or v_base.dtype != torch.bfloat16
+            or dk != d or v_base.shape != k_base.shape or not k_base.is_contiguous() or not v_base.is_contiguous()
+            or q.stride(2) != 1 or q.stride(1) != d or h % hkv or d % 16 or d > PREFILL_ATTN_MAX_HEAD_DIM
+            or rows.dtype != torch.int64 or rows.shape != (ctx_start + lq,) or not rows.is_contiguous()
+            or ctx_start < 0 or lq < 1):
+        raise ValueError(f"prefill_attn_bf16: q {tuple(q.shape)} strides {q.stride()} {q.dtype}, k/v {tuple(k_base.shape)} "
+                         f"{k_base.dtype}, rows {tuple(rows.shape)} {rows.dtype}, ctx_start {ctx_start}")
+    out = torch.empty((lq, h, d), dtype=torch.bfloat16)
+    rc = dll.tetri_prefill_attn_bf16(q.data_ptr(), q.stride(0), k_base.data_ptr(), v_base.data_ptr(), rows.data_ptr(),
+                                     hkv * d, out.data_ptr(), lq, ctx_start, h, hkv, d, d ** -0.5)
+    if rc != 0:
+        raise MemoryError("prefill_attn_bf16: out of memory for its scratch buffers")
     return out

@@ -12,7 +12,7 @@ from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, cpu_has_native
 from tetriinfer.engine.cpu_kernels import (
     MAX_ROWS,
-    avx512_gemm_available,
+    avx512_bf16_available,
     gemm_bf16_avx512,
     gemv,
     kernels_available,
@@ -73,7 +73,7 @@ class Linear(nn.Linear):
                     return gemv(x.contiguous(), self.weight, self.bias)
             elif (x.dtype == torch.bfloat16 and x.shape[0] <= GEMM_BF16_AVX512_MAX_ROWS
                   and bf16_decode_wants_native_kernels() and use_gemv(x, self.weight)):
-                if avx512_gemm_available():
+                if avx512_bf16_available():
                     return gemm_bf16_avx512(x.contiguous(), self.weight, self.bias)
                 if x.shape[0] <= GEMV_BF16_NATIVE_CPU_MAX_ROWS:
                     return gemv(x.contiguous(), self.weight, self.bias)

@@ -1,0 +1,305 @@
+/* bf16 kernels for CPUs with AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake / Sapphire Rapids), built on vdpbf16ps:
+ * tetri_gemm_bf16_avx512 (a few-row matmul for decode batches) and tetri_prefill_attn_bf16 (causal prefill
+ * attention, below).
+ *
+ * Few-row matmul:
+ *
+ * y[m, n] = bf16( sum_k x[m, k] * w[n, k] + bias[n] ),  0 <= m < M, 0 <= n < N
+ * x: [M, K] bf16 row-major, w: [N, K] bf16 row-major (nn.Linear's weight), bias: [N] bf16 or NULL,
+ * y: [M, N] bf16 row-major. Each bf16 x bf16 product is exact in fp32; sums in fp32 (vdpbf16ps adds pairs of products
+ * into fp32 lanes, denormal inputs count as zero); the output is rounded to nearest even, as torch does.
+ *
+ * Why: a decode step's matmuls have few rows (the batch), so their cost is the weight read plus, per row, the
+ * multiply-adds. The AVX2 kernel (decode_kernels.c) converts bf16 to fp32 and issues 8-lane FMAs (~45-50 GFLOP/s on
+ * one core); vdpbf16ps takes 32 bf16 pairs per instruction, so the per-row part shrinks ~3-4x, while oneDNN's bf16
+ * GEMM carries ~20 us of fixed cost per call on such CPUs (no AMX). Layout as in the AVX2 kernel: a group of NB <= 4
+ * weight rows is read once and applied to every row of x, R <= 6 rows per pass (24 accumulators + 4 weight vectors +
+ * one x vector = 29 of the 32 zmm registers), the group stays in L1 between passes. K tails use masked loads
+ * (zeros contribute nothing). Single-threaded; only reads its inputs and writes y.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TR 6 /* rows of x per pass */
+#define PF_GROUPS 4 /* prefetch the weight group this many groups ahead */
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline __m512bh ld(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
+static inline __m512bh ldm(const uint16_t *p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+/* The four lane sums of a[0..3] as one 4-lane vector: lane j = sum of a[j]'s 16 lanes (an unpack/add tree). */
+static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)); /* per 128: a0 a1 a0 a1 */
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1)); /* per 128: a0 a1 a2 a3 */
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* y[r, j] = bf16(dot(x[r], w[j]) + bias[j]) for NB weight rows and R x rows (compile-time constants after inlining);
+ * y points at y[m0, n0], row stride N. bias: NULL or bias + n0. The four sums of a row are added to the bias and rounded
+ * as one vector (vcvtneps2bf16: round to nearest even, NaN stays NaN). */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                                                        uint16_t *y, int64_t N, int64_t K, int NB, int R,
+                                                        const char *pf) {
+    __m512 acc[TR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = ld(w + j * K + k);
+        if (pf)
+            for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * 2, _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = ld(x + r * K + k);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+        }
+    }
+    if (k < K) {
+        __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = ldm(w + j * K + k, m);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = ldm(x + r * K + k, m);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+        }
+    }
+    __m128 b = _mm_setzero_ps();
+    if (bias) {
+        float bf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = 0; j < NB; j++) bf[j] = bf16_to_f32(bias[j]);
+        b = _mm_loadu_ps(bf);
+    }
+    for (int r = 0; r < R; r++) {
+        __m128i h = (__m128i)_mm_cvtneps_pbh(_mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b));
+        if (NB == 4) {
+            _mm_storel_epi64((__m128i *)(y + r * N), h);
+        } else {
+            uint16_t t[8];
+            _mm_storeu_si128((__m128i *)t, h);
+            memcpy(y + r * N, t, (size_t)NB * 2);
+        }
+    }
+}
+
+#define TILE(nb, r) tile(xr, wr, br, yr, N, K, nb, r, pf)
+static inline __attribute__((always_inline)) void tile_any(const uint16_t *xr, const uint16_t *wr, const uint16_t *br,
+                                                            uint16_t *yr, int64_t N, int64_t K, int NB, int R,
+                                                            const char *pf) {
+    if (NB == 4) {
+        switch (R) {
+            case 1: TILE(4, 1); break;
+            case 2: TILE(4, 2); break;
+            case 3: TILE(4, 3); break;
+            case 4: TILE(4, 4); break;
+            case 5: TILE(4, 5); break;
+            default: TILE(4, 6); break;
+        }
+    } else { /* the last, partial weight group (N % 4 rows): one x row at a time */
+        for (int r = 0; r < R; r++) {
+            if (NB == 1) tile(xr + r * K, wr, br, yr + r * N, N, K, 1, 1, NULL);
+            else if (NB == 2) tile(xr + r * K, wr, br, yr + r * N, N, K, 2, 1, NULL);
+            else tile(xr + r * K, wr, br, yr + r * N, N, K, 3, 1, NULL);
+        }
+    }
+}
+
+/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all bf16 (raw uint16 bits). Returns 0. */
+int tetri_gemm_bf16_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+                           int64_t N, int64_t K) {
+    /* ceil(M / TR) passes of near-equal size (8 rows: 4 + 4, not 6 + 2: a thin pass is load-bound) */
+    int64_t passes = (M + TR - 1) / TR;
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        int NB = N - n0 < 4 ? (int)(N - n0) : 4;
+        const uint16_t *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
+        for (int64_t p = 0, m0 = 0; p < passes; p++) {
+            int R = (int)(M / passes + (p < M % passes));
+            const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < N ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
+            tile_any(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
+            m0 += R;
+        }
+    }
+    return 0;
+}
+
+/* ---- causal prefill attention ------------------------------------------------------------------------------------
+ *
+ * out[i, h, :] = sum_j softmax_j(q[i, h] . k[j, g] * scale) v[j, g],  j <= ctx_start + i,  g = h / (H / Hkv)
+ * q: [Lq, H, D] bf16 (token stride q_stride elements, heads contiguous); K/V rows: key j lives at
+ * k_base + rows[j] * kv_stride (its Hkv heads contiguous, D each), the same for V; keys are positions 0..Lk-1
+ * (Lk = ctx_start + Lq). out: [Lq, H, D] bf16 contiguous. D must be a multiple of 16 and at most 256.
+ * Scores, softmax and the output sums in fp32 (online softmax, one pass over the keys); the softmax weights are
+ * rounded to bf16 for the weighted sum of V (as flash attention does on GPUs); the output is rounded once.
+ *
+ * Why: torch's CPU flash attention in bf16 ran at ~18 GFLOP/s on Zen 4 (no AMX): 43% of a 512-token prefill step of
+ * the tiny llama. Here both products run on vdpbf16ps over repacked K and V for one kv head at a time:
+ * K as [key block of 16][D / 2][16 keys][2] (one zmm = 16 keys x one pair of dims: a query's scores for 16 keys
+ * are D / 2 dot-product steps, no horizontal sums), V as [key pair][D / 16][16 dims][2] (one zmm = 16 dims x two
+ * keys). Queries go QB at a time so every K and V load serves QB queries.
+ * Returns 0, or -1 when scratch memory could not be allocated (nothing written then).
+ */
+#define QB 4  /* queries per pass */
+#define KB 32 /* keys per online-softmax step (two blocks of 16) */
+
+static inline __m512 exp16(__m512 x) { /* Cephes' single-precision exp, ~1 ulp on [-87, 88]; -> 0 far below */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447505531f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
+}
+
+static inline uint32_t pair_at(const uint16_t *p) { /* two consecutive bf16 as one 32-bit lane */
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u;
+}
+
+int tetri_prefill_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_base, const uint16_t *v_base,
+                            const int64_t *rows, int64_t kv_stride, uint16_t *out, int64_t Lq, int64_t ctx_start,
+                            int64_t H, int64_t Hkv, int64_t D, float scale) {
+    const int64_t Lk = ctx_start + Lq, group = H / Hkv, nkb = (Lk + 15) / 16, dp = D / 2, dv = D / 16;
+    const int64_t kpad = nkb * 16 + KB; /* room for a whole KB step past the last key block */
+    uint16_t *kp = (uint16_t *)aligned_alloc(64, (size_t)(kpad * D) * 2);
+    uint16_t *vp = (uint16_t *)aligned_alloc(64, (size_t)(kpad * D) * 2);
+    if (!kp || !vp) {
+        free(kp);
+        free(vp);
+        return -1;
+    }
+    for (int64_t g = 0; g < Hkv; g++) {
+        /* repack this kv head: K [kb][dp][16][2], V [key pair][dv][16][2]; keys past Lk are zero */
+        memset(kp, 0, (size_t)(kpad * D) * 2);
+        memset(vp, 0, (size_t)(kpad * D) * 2);
+        for (int64_t j = 0; j < Lk; j++) {
+            const uint16_t *kr = k_base + rows[j] * kv_stride + g * D, *vr = v_base + rows[j] * kv_stride + g * D;
+            uint16_t *kd = kp + (j / 16) * (16 * D) + (j % 16) * 2;
+            for (int64_t t = 0; t < dp; t++) memcpy(kd + t * 32, kr + 2 * t, 4);
+            uint16_t *vd = vp + (j / 2) * (2 * D) + (j % 2);
+            for (int64_t d = 0; d < D; d++) vd[(d / 16) * 32 + (d % 16) * 2] = vr[d];
+        }
+        for (int64_t h = g * group; h < (g + 1) * group; h++) {
+            for (int64_t i0 = 0; i0 < Lq; i0 += QB) {
+                const int nq = Lq - i0 < QB ? (int)(Lq - i0) : QB;
+                __m512 o[QB][8]; /* D <= 256: up to 16 zmm of output per query (8 here: D <= 128 fast path) */
+                float acc_o[QB][256];
+                float m[QB], l[QB];
+                for (int r = 0; r < QB; r++) {
+                    m[r] = -INFINITY;
+                    l[r] = 0.0f;
+                    for (int64_t t = 0; t < dv && t < 8; t++) o[r][t] = _mm512_setzero_ps();
+                    memset(acc_o[r], 0, sizeof(acc_o[r]));
+                }
+                const int64_t last = ctx_start + i0 + nq - 1; /* the furthest key any query of the pass sees */
+                for (int64_t j0 = 0; j0 <= last; j0 += KB) {
+                    __m512 s[QB][2];
+                    for (int r = 0; r < QB; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+                    const uint16_t *k0 = kp + (j0 / 16) * (16 * D), *k1 = k0 + 16 * D;
+                    for (int64_t t = 0; t < dp; t++) {
+                        __m512bh a = ld(k0 + t * 32), b = ld(k1 + t * 32);
+                        for (int r = 0; r < nq; r++) {
+                            __m512bh qq = (__m512bh)_mm512_set1_epi32(
+                                (int)pair_at(q + (i0 + r) * q_stride + h * D + 2 * t));
+                            s[r][0] = _mm512_dpbf16_ps(s[r][0], a, qq);
+                            s[r][1] = _mm512_dpbf16_ps(s[r][1], b, qq);
+                        }
+                    }
+                    for (int r = 0; r < nq; r++) {
+                        const int64_t lim = ctx_start + i0 + r; /* keys j <= lim are visible */
+                        __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
+                        __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
+                        if (j0 + KB - 1 > lim) {
+                            int64_t n0 = lim - j0 + 1, n1 = lim - j0 - 15;
+                            __mmask16 m0 = n0 >= 16 ? 0xFFFF : (n0 <= 0 ? 0 : (__mmask16)((1u << n0) - 1));
+                            __mmask16 m1 = n1 >= 16 ? 0xFFFF : (n1 <= 0 ? 0 : (__mmask16)((1u << n1) - 1));
+                            x0 = _mm512_mask_blend_ps(m0, _mm512_set1_ps(-INFINITY), x0);
+                            x1 = _mm512_mask_blend_ps(m1, _mm512_set1_ps(-INFINITY), x1);
+                        }
+                        float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+                        if (mx == -INFINITY) { /* nothing visible in this step for this query */
+                            s[r][0] = s[r][1] = _mm512_setzero_ps();
+                            continue;
+                        }
+                        float mnew = mx > m[r] ? mx : m[r];
+                        float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+                        __m512 p0 = exp16(_mm512_sub_ps(x0, _mm512_set1_ps(mnew)));
+                        __m512 p1 = exp16(_mm512_sub_ps(x1, _mm512_set1_ps(mnew)));
+                        p0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), p0,
+                                                  _mm512_setzero_ps());
+                        p1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x1, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), p1,
+                                                  _mm512_setzero_ps());
+                        l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                        m[r] = mnew;
+                        if (corr != 1.0f) {
+                            __m512 c = _mm512_set1_ps(corr);
+                            for (int64_t t = 0; t < dv && t < 8; t++) o[r][t] = _mm512_mul_ps(o[r][t], c);
+                            for (int64_t t = 8; t < dv; t++)
+                                _mm512_storeu_ps(acc_o[r] + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(acc_o[r] + 16 * t), c));
+                        }
+                        s[r][0] = p0; /* the weights of this step, reused below */
+                        s[r][1] = p1;
+                    }
+                    /* o[r] += sum over the KB keys of p[r, j] * v[j]: one zmm of V = 16 dims x a key pair */
+                    uint32_t pw[QB][KB / 2];
+                    for (int r = 0; r < nq; r++)
+                        _mm512_storeu_si512((void *)pw[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));
+                    const int64_t npair = (last - j0 + 1 < KB ? last - j0 + 2 : KB) / 2;
+                    for (int64_t kq = 0; kq < npair; kq++) {
+                        const uint16_t *vr = vp + (j0 / 2 + kq) * (2 * D);
+                        for (int64_t t = 0; t < dv && t < 8; t++) {
+                            __m512bh vv = ld(vr + t * 32);
+                            for (int r = 0; r < nq; r++)
+                                o[r][t] = _mm512_dpbf16_ps(o[r][t], vv, (__m512bh)_mm512_set1_epi32((int)pw[r][kq]));
+                        }
+                        for (int64_t t = 8; t < dv; t++) {
+                            __m512bh vv = ld(vr + t * 32);
+                            for (int r = 0; r < nq; r++)
+                                _mm512_storeu_ps(acc_o[r] + 16 * t,
+                                                 _mm512_dpbf16_ps(_mm512_loadu_ps(acc_o[r] + 16 * t), vv,
+                                                                  (__m512bh)_mm512_set1_epi32((int)pw[r][kq])));
+                        }
+                    }
+                }
+                for (int r = 0; r < nq; r++) {
+                    __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+                    uint16_t *dst = out + ((i0 + r) * H + h) * D;
+                    for (int64_t t = 0; t < dv; t++) {
+                        __m512 v = t < 8 ? o[r][t] : _mm512_loadu_ps(acc_o[r] + 16 * t);
+                        _mm256_storeu_si256((__m256i *)(dst + 16 * t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, inv)));
+                    }
+                }
+            }
+        }
+    }
+    free(kp);
+    free(vp);
+    return 0;
+}
