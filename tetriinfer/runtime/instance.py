@@ -38,7 +38,6 @@ from tetriinfer.runtime.messages import (
     RoleSwitched,
     SetRole,
     Shutdown,
-    Tokens,
     Yield,
     Yielded,
     decode,
@@ -219,9 +218,7 @@ class Instance:
         return True
 
     def _flush(self) -> None:
-        if self.ctx.outbox:
-            self._send_front(Tokens(self.spec.instance_id, self.ctx.outbox))
-            self.ctx.outbox = []
+        self.ctx.flush_outbox()
 
     def _maybe_flip(self) -> None:
         if self.target_role is None or not self.worker.is_empty():

@@ -214,12 +214,20 @@ class PrefillWorker:
 
     def _prefill_step(self, out: SchedulerOutput) -> None:
         """One prefill chunk; kept decodes ride along in the same forward (a few rows on a chunk of
-        ``chunk_size``: they advance a token instead of stalling for the chunk)."""
+        ``chunk_size``: they advance a token instead of stalling for the chunk).
+
+        Chunk-wise transfer dispatches a request *before* its first chunk runs: the decode instance reserves
+        blocks and posts its memory (KVReady) while this forward computes, so the KV can go out as soon as the
+        loop reads that reply, instead of the reply waiting behind the next prompt's forward (a single-chunk
+        prompt would otherwise take the per-request path: dispatch after the forward, then a round trip)."""
+        if self.chunk_mode:
+            self._open_streams(out)
         dec = self._kept_schedule()
         run = merge_steps(out, dec) if dec is not None and not dec.is_empty else out
         result = self.ctx.runner.execute(run)
         upd = self.scheduler.update(out, split_result(result, out))
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
+        self.ctx.flush_outbox()  # first tokens out before the KV staging copies and dispatch below
         if dec is not None:
             apply_decode_step(self.ctx, self.kept, dec, split_result(result, dec))
         for req in upd.finished:
@@ -251,7 +259,7 @@ class PrefillWorker:
             if req is None or rid in self.streams or rid in self.staged or rid in self.no_stream:
                 continue
             if req.status.name != "WAITING" or req.output_token_ids:
-                continue  # already prefilled in this very step: the per-request path is as good
+                continue  # already prefilled (a re-prefill after a failed stream): the per-request path
             if self.ctx.predictor is not None and req.predicted_bucket is None:
                 continue  # dispatch needs the prediction; retried after the next chunk
             decision = self.dispatcher.choose(self.decode_loads, req.num_tokens + 1, req.predicted_lower)

@@ -17,7 +17,7 @@ from tetriinfer.core.load import InstanceState, LoadReport
 from tetriinfer.core.request import FINISH_REASON, Request
 from tetriinfer.core.step import SchedulerOutput, StepResult
 from tetriinfer.runtime.instance_spec import InstanceSpec
-from tetriinfer.runtime.messages import Message, TokenItem, WireLoad
+from tetriinfer.runtime.messages import Message, TokenItem, Tokens, WireLoad
 
 if TYPE_CHECKING:  # the front end imports this module's wire helpers and must not pay for torch
     from tetriinfer.engine.model_runner import ModelRunner
@@ -42,6 +42,13 @@ class InstanceContext:
     @staticmethod
     def now() -> float:
         return time.time()
+
+    def flush_outbox(self) -> None:
+        """Send the streamed items collected so far to the front end now (the loop also flushes after every
+        step; a worker calls this to let first tokens leave before slower bookkeeping of the same step)."""
+        if self.outbox:
+            self.send_front(Tokens(self.spec.instance_id, self.outbox))
+            self.outbox = []
 
     def emit_tokens(self, req: Request, new_tokens: list[int]) -> None:
         if new_tokens:

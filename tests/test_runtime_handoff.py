@@ -1,0 +1,120 @@
+"""The prefill -> decode handoff between two real role workers in one process: real schedulers, real KV tensors, a
+real (in-process ZeroMQ) transfer backend, messages through the wire codec; the model is replaced by a runner that
+samples a fixed token and records what was already on the wire when each forward ran.
+
+Shown: with chunk-wise transfer a prompt is dispatched *before* its first chunk's forward, also when it fits in one
+chunk (the decode side reserves and posts its memory while the prefill computes); per-request transfer dispatches
+after the forward. Either way the decode side receives the prefill's KV bytes, the client sees indices 0..n-1
+exactly once and one end, and every block is freed on both sides. The first token leaves the prefill instance in the
+step that computed it, before the KV staging of that step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.load import InstanceState
+from tetriinfer.core.sampling_params import SamplingParams
+from tetriinfer.engine.kv_cache import KVCacheTensors
+from tetriinfer.engine.sampler import Sampler
+from tetriinfer.runtime.decode_worker import DecodeWorker
+from tetriinfer.runtime.instance_spec import InstanceSpec
+from tetriinfer.runtime.messages import Handoff, NewRequest, Tokens, WireParams, decode, encode
+from tetriinfer.runtime.prefill_worker import PrefillWorker
+from tetriinfer.runtime.worker_base import InstanceContext
+from tetriinfer.sim.instances import synthetic_result
+from tetriinfer.transfer import InprocBackend
+
+BLOCK = 4
+
+
+class RecordingRunner:
+    """KV tensors with random content, a sampler, and ``execute`` noting the wire's Handoffs at each forward."""
+
+    def __init__(self, num_blocks: int, wire: deque) -> None:
+        cfg = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=4)
+        self.kv = KVCacheTensors(cfg, num_blocks, BLOCK, torch.float32, "cpu")  # type: ignore[arg-type]
+        for t in [*self.kv.k, *self.kv.v]:
+            t.normal_()
+        self.sampler = Sampler()
+        self.wire = wire
+        self.handoffs_at_forward: list[set[str]] = []
+
+    def execute(self, out):  # noqa: ANN001, ANN201 - a SchedulerOutput in, a StepResult out
+        seen = {m.request_id for _, data in self.wire if isinstance(m := decode(data), Handoff)}
+        self.handoffs_at_forward.append(seen)
+        return synthetic_result(out)
+
+
+class Node:
+    def __init__(self, iid: str, role: str, wire: deque, kv_transfer: str) -> None:
+        spec = InstanceSpec(iid, role, "ipc://unused", "fake", block_size=BLOCK, chunk_size=32, max_num_seqs=8,
+                            kv_backend="inproc", kv_transfer=kv_transfer, transfer_timeout_s=2.0, pad_last_chunk=False)
+        self.backend = InprocBackend(name=f"handoff-{iid}-{id(wire)}")
+        self.runner = RecordingRunner(64, wire)
+        self.front: list = []
+        self.ctx = InstanceContext(spec, self.runner, KVCacheManager(64, BLOCK), 512, self.backend,  # type: ignore[arg-type]
+                                   lambda m: self.front.append(decode(encode(m))),
+                                   lambda peer, m: wire.append((peer, encode(m))))
+        self.worker = PrefillWorker(self.ctx) if role == "prefill" else DecodeWorker(self.ctx)
+
+    def items(self) -> list:
+        return [it for m in self.front if isinstance(m, Tokens) for it in m.items] + list(self.ctx.outbox)
+
+
+@pytest.mark.parametrize("kv_transfer", ["chunk", "request"])
+def test_handoff_timing_and_a_clean_end_on_both_sides(kv_transfer: str) -> None:
+    wire: deque = deque()
+    p, d = Node("p", "prefill", wire, kv_transfer), Node("d", "decode", wire, kv_transfer)
+    nodes = {"p": p, "d": d}
+    received: dict[str, list[torch.Tensor]] = {}
+    install = d.worker.receiver.install
+
+    def spy(rcv, table):  # noqa: ANN001 - the decode side's copy of what arrived
+        received[rcv.handoff.request_id] = [t.clone() for t in rcv.staging]
+        install(rcv, table)
+
+    d.worker.receiver.install = spy  # type: ignore[method-assign]
+    try:
+        p.worker.decode_loads = [d.worker.load_report(time.time(), 0.0, InstanceState.ACTIVE)]
+        params = WireParams.from_params(SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0))
+        p.worker.handle(NewRequest("one", [3] * 10, params, 0.0))  # fits in one 32-token chunk
+        assert p.worker.step()
+        handoffs = p.runner.handoffs_at_forward[0]
+        assert handoffs == ({"one"} if kv_transfer == "chunk" else set())
+        assert not p.ctx.outbox  # the first token left within the step that computed it
+        kinds = [type(m).__name__ for m in p.front if type(m).__name__ in ("Tokens", "Dispatched")]
+        # chunk-wise: dispatched before the forward; per-request: the first token goes before the staging's dispatch
+        assert kinds == (["Dispatched", "Tokens"] if kv_transfer == "chunk" else ["Tokens", "Dispatched"])
+        assert [it.index for it in p.items() if it.request_id == "one" and it.token_ids] == [0]
+        staged = p.worker.staged.get("one")
+        if staged is not None:  # per-request: the staging copy; chunk-wise: the device blocks, held until KVDone
+            expect = [t.clone() for t in staged.tensors]
+        else:
+            expect = [t.clone() for t in p.runner.kv.read_blocks(p.ctx.kv_manager.block_table("one")[:3])]
+        deadline = time.monotonic() + 10.0
+        while d.worker.scheduler.has_unfinished() or p.worker.staged or p.worker.streams or not received:
+            assert time.monotonic() < deadline, "the handoff never settled"
+            while wire:
+                peer, data = wire.popleft()
+                nodes[peer].worker.handle(decode(data))
+            for node in nodes.values():
+                node.worker.poll_transfers()
+            d.worker.step()
+            time.sleep(0.001)
+        for got, want in zip(received["one"], expect, strict=True):
+            assert torch.equal(got[: want.shape[0]], want)
+        items = p.items() + d.items()
+        assert sorted(it.index for it in items if it.token_ids) == list(range(5))
+        assert sum(1 for it in items if it.finished) == 1
+        for node in nodes.values():
+            assert node.ctx.kv_manager.num_used_blocks == 0 and node.worker.is_empty()
+    finally:
+        for node in nodes.values():
+            node.backend.shutdown()
