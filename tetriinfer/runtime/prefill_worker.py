@@ -221,7 +221,7 @@ class PrefillWorker:
         loop reads that reply, instead of the reply waiting behind the next prompt's forward (a single-chunk
         prompt would otherwise take the per-request path: dispatch after the forward, then a round trip)."""
         if self.chunk_mode:
-            self._open_streams(out)
+            self._open_streams(out, before_forward=True)
         dec = self._kept_schedule()
         run = merge_steps(out, dec) if dec is not None and not dec.is_empty else out
         result = self.ctx.runner.execute(run)
@@ -252,12 +252,14 @@ class PrefillWorker:
         self._pump_stream(stream)
 
     # ---- chunk-wise transfer -------------------------------------------------------------
-    def _open_streams(self, out) -> None:
+    def _open_streams(self, out, before_forward: bool = False) -> None:
         for seg in out.segments:
             rid = seg.request_id
             req = self.scheduler.requests.get(rid)
             if req is None or rid in self.streams or rid in self.staged or rid in self.no_stream:
                 continue
+            if before_forward and self.keep_config.enabled and seg.end >= req.num_tokens:
+                continue  # prefilled by this forward: after it, the per-request path decides keep or dispatch
             if req.status.name != "WAITING" or req.output_token_ids:
                 continue  # already prefilled (a re-prefill after a failed stream): the per-request path
             if self.ctx.predictor is not None and req.predicted_bucket is None:
