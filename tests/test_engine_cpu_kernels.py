@@ -237,6 +237,17 @@ def test_prefill_attention_rejects_what_it_cannot_run() -> None:
                   torch.zeros(8, 2, 24).bfloat16(), rows, 0)]:  # head size not a multiple of 16
         with pytest.raises(ValueError, match="prefill_attn_bf16"):
             cpu_kernels.prefill_attn_bf16(*args)
+    import tetriinfer.engine.attention as attention
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the engine routes only what the kernel can run (head size <= 256, a multiple of 16), else torch's SDPA
+        for d, ok in ((64, True), (256, True), (272, False), (24, False)):
+            qd, kd = torch.zeros(2, 2, d).bfloat16(), torch.zeros(4, 1, d).bfloat16()
+            assert attention._use_prefill_kernel(qd, kd) is (ok and attention.bf16_decode_wants_native_kernels())
+        assert not attention._use_prefill_kernel(torch.zeros(2, 2, 64), torch.zeros(4, 1, 64))  # fp32: torch
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_avx512

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, cpu_has_native
 from tetriinfer.engine.cpu_kernels import (
+    PREFILL_ATTN_MAX_HEAD_DIM,
     avx512_bf16_available,
     decode_attn,
     kernels_available,
@@ -89,7 +90,8 @@ def _use_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     segments on CPUs without AMX that have AVX-512 BF16, when the engine runs one torch thread (the kernel is
     single-threaded; torch's flash attention parallelizes over heads)."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-            and k_cache.is_contiguous() and q.shape[-1] % 16 == 0 and bf16_decode_wants_native_kernels()
+            and k_cache.is_contiguous() and q.shape[-1] % 16 == 0 and q.shape[-1] <= PREFILL_ATTN_MAX_HEAD_DIM
+            and bf16_decode_wants_native_kernels()
             and torch.get_num_threads() == 1 and avx512_bf16_available())
 
 
