@@ -46,6 +46,19 @@ def closed_loop_ttfts(url: str, lengths: list[int], repeats: int, seed: int) -> 
     return out
 
 
+def extra_serve_args(serve_args: list[str], mode: str) -> list[str]:
+    """``--serve-arg`` values for ``mode``: unprefixed ones apply to every mode, ``MODE:ARGS`` to that one."""
+    out: list[str] = []
+    for item in serve_args:
+        head, sep, rest = item.partition(":")
+        if sep and head in EXTRA_ARGS:
+            if head == mode:
+                out += rest.split()
+        else:
+            out += item.split()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
@@ -53,6 +66,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=8, help="requests per length per round (the first is warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="[MODE:]ARGS",
+                    help="extra 'tetriinfer serve' arguments for both modes, or MODE:ARGS for one (repeatable)")
     a = ap.parse_args()
     if a.repeats < 2 or a.rounds < 1:
         raise SystemExit("--repeats must be >= 2 and --rounds >= 1")
@@ -63,7 +78,8 @@ def main() -> int:
     with tqdm(total=a.rounds * len(order), desc="servers") as bar:
         for rnd in range(a.rounds):
             for mode in order[rnd % len(order):] + order[:rnd % len(order)]:
-                args = [*sbs.layout_args(mode, 2, 1), "--kv-cache-memory-gb", "0.25", *EXTRA_ARGS[mode]]
+                args = [*sbs.layout_args(mode, 2, 1), "--kv-cache-memory-gb", "0.25", *EXTRA_ARGS[mode],
+                        *extra_serve_args(a.serve_arg, mode)]
                 with sbs.serve(model, mode, args, 600) as url:
                     for n, ts in closed_loop_ttfts(url, lengths, a.repeats, a.seed + rnd).items():
                         times.setdefault((mode, n), []).extend(ts)

@@ -101,11 +101,39 @@ def test_backed_up_prefill_tier_sends_the_request_to_an_idle_decode_instance() -
     rec = g.get("b")
     assert rec.phase is Phase.DECODE and rec.prefill_instance == rec.decode_instance == "d0"
     assert g.num_local_prefills == 1
-    g.on_tokens("b", 1, now=0.3)  # a local request streams and ends like any other
-    assert g.on_terminal("b", Phase.FINISHED, now=1.0)
     # c sees b's 300 tokens queued at d0 and a's 300 at p0: no gain from going local -> p0
     g.add("c", now=0.1, num_prompt_tokens=300)
     assert g.route("c", [prefill("p0", 0), decode("d0")], now=0.1) == "p0"
+    g.on_tokens("b", 1, now=0.3)  # a local request streams and ends like any other
+    assert g.on_terminal("b", Phase.FINISHED, now=1.0)
+    # b's first token came back: d0 has nothing left to prefill, though no report says so yet; p0 still has a + c
+    assert g.backlog_tokens(decode("d0")) == 0 and g.backlog_tokens(prefill("p0", 0)) == 600
+    g.add("e", now=0.4, num_prompt_tokens=300)
+    assert g.route("e", [prefill("p0", 0), decode("d0")], now=0.4) == "d0"
+
+
+def test_backlog_is_the_smaller_of_the_reports_and_the_prompts_without_a_first_token() -> None:
+    """A report is up to an interval old: prompts whose first token already streamed do not count (no local
+    prefill beside a prefill instance that just went idle); a report newer than the routings wins where it is
+    smaller (a prompt part-way through its chunks)."""
+    g = local_policy(weight=0.0)
+    for rid in ("a", "b"):
+        g.add(rid, now=0.0, num_prompt_tokens=400)
+        assert g.route(rid, [prefill("p0", 0, t=-1.0), decode("d0")], now=0.0) in ("p0", "d0")
+    assert [g.get(r).prefill_instance for r in ("a", "b")] == ["p0", "d0"]  # b found a's 400 tokens ahead
+    stale = prefill("p0", 400, t=0.0)  # built just after a was routed, before a finished
+    assert g.backlog_tokens(stale) == 400
+    g.on_tokens("a", 1, now=0.2)  # a's first token: p0 is idle now, whatever the stale report says
+    assert g.backlog_tokens(stale) == 0
+    g.add("c", now=0.21, num_prompt_tokens=400)
+    assert g.route("c", [stale, decode("d0", t=0.0)], now=0.21) == "p0"
+    g.add("d", now=0.22, num_prompt_tokens=100)
+    assert g.backlog_tokens(prefill("p0", 150, t=0.215)) == 150  # c is part-way: the newer report is smaller
+    assert g.route("d", [prefill("p0", 150, t=0.215), decode("d0", t=0.0)], now=0.22) == "d0"
+    assert g.on_terminal("d", Phase.ABORTED, now=0.3)  # an end settles a request too: d0 holds b's prompt only
+    assert g.backlog_tokens(decode("d0", prefill_tokens=500, t=0.25)) == 400
+    g.on_tokens("b", 1, now=0.4)
+    assert g.backlog_tokens(decode("d0", prefill_tokens=500, t=0.25)) == 0
 
 
 def test_local_prefill_prices_the_interference_with_running_decodes() -> None:

@@ -15,13 +15,18 @@ routed request is only its uncached part.
 Conditional disaggregation (``LocalPrefillConfig``, off by default; Dynamo's "prefill locally when the
 remote queue is long", Splitwise's mixed pool): a request may instead be prefilled *on a decode
 instance* (ARRIVED -> DECODE directly, no KV transfer) when that is expected to cut its wait. With
-``B`` = backlog tokens (prompt tokens queued ahead, from reports + routed since), ``P`` = this prompt,
+``B`` = backlog tokens (prompt tokens queued ahead), ``P`` = this prompt,
 ``R`` = the decode instance's running requests, the request goes local iff
 ``B_prefill >= min_prefill_backlog_tokens`` and
 ``B_decode + interference_weight * R * P < B_prefill`` for the decode instance minimizing the left side
 (among ACTIVE ones with free blocks for the prompt). The left side prices the interference: a local
 prefill of ``P`` tokens delays each of the ``R`` running decodes by about ``P`` tokens' worth of
 compute; ``interference_weight`` says how much such delay counts against this request's own wait.
+
+Backlog of an instance (``backlog_tokens``): the smaller of two upper bounds on the prompt tokens it still has to
+prefill: its latest report plus what was routed there since (stale by up to a report interval: a prompt finished
+after the report still counts), and the prompts routed there that have not streamed their first token yet
+(exact as of the last message, but a prompt part-way through its chunks counts whole).
 
 Invariants: a request id is added once; phases only move forward; every request reaches exactly one
 terminal phase (a second terminal transition is refused); nothing reads a clock (``now`` is passed).
@@ -118,6 +123,8 @@ class GlobalPolicy:
         self.affinity = affinity  # prefix-aware routing when set
         self._table: dict[str, RequestRecord] = {}
         self._routed: dict[str, list[tuple[float, int]]] = {}  # instance -> (routed at, tokens)
+        # instance -> {request id: prompt tokens} routed there to be prefilled, no first token seen yet
+        self._awaiting_first: dict[str, dict[str, int]] = {}
         self.num_local_prefills = 0
 
     def add(
@@ -171,12 +178,27 @@ class GlobalPolicy:
     def forget_instance(self, instance_id: str) -> None:
         """The instance left or changed role: its routing history (and cache model) no longer applies."""
         self._routed.pop(instance_id, None)
+        self._awaiting_first.pop(instance_id, None)
         if self.affinity is not None:
             self.affinity.forget(instance_id)
 
     def _extra(self, report: LoadReport) -> int:
         """Prompt tokens routed to ``report``'s instance after the report was built."""
         return sum(n for t, n in self._routed.get(report.instance_id, []) if t > report.time)
+
+    def backlog_tokens(self, report: LoadReport) -> int:
+        """Prompt tokens ``report``'s instance still has to prefill (see the module docstring)."""
+        reported = (report.tokens_in_flight if report.role is Role.PREFILL else report.num_prefill_tokens)
+        from_reports = reported + self._extra(report)
+        awaiting = self._awaiting_first.get(report.instance_id)
+        if awaiting is None:  # nothing routed there through this policy: the reports are all there is
+            return from_reports
+        return min(from_reports, sum(awaiting.values()))
+
+    def _settle_prefill(self, rec: RequestRecord) -> None:
+        """``rec`` streamed its first token, ended or left its prefill instance: no longer part of a backlog."""
+        if rec.prefill_instance is not None:
+            self._awaiting_first.get(rec.prefill_instance, {}).pop(rec.request_id, None)
 
     def pick_local(self, num_prompt_tokens: int, loads: Sequence[LoadReport], prefill_iid: str | None) -> str | None:
         """The decode instance that should prefill this prompt itself (conditional disaggregation), or None
@@ -185,14 +207,14 @@ class GlobalPolicy:
         if not cfg.enabled or (cfg.max_prompt_tokens is not None and num_prompt_tokens > cfg.max_prompt_tokens):
             return None
         remote = next((r for r in loads if r.instance_id == prefill_iid), None)
-        backlog = float("inf") if remote is None else remote.tokens_in_flight + self._extra(remote)
+        backlog = float("inf") if remote is None else self.backlog_tokens(remote)
         if backlog < cfg.min_prefill_backlog_tokens:
             return None
         best: tuple[float, str] | None = None
         for d in accepting(loads, Role.DECODE):
             if d.num_free_blocks < d.blocks_for_tokens(num_prompt_tokens + 1):
                 continue
-            cost = d.num_prefill_tokens + self._extra(d) + cfg.interference_weight * d.num_running * num_prompt_tokens
+            cost = self.backlog_tokens(d) + cfg.interference_weight * d.num_running * num_prompt_tokens
             if cost < backlog and (best is None or cost < best[0]):
                 best = (cost, d.instance_id)
         return None if best is None else best[1]
@@ -213,6 +235,7 @@ class GlobalPolicy:
             self._routed.setdefault(local, []).append((now, rec.num_prompt_tokens))
             rec.phase = Phase.DECODE
             rec.prefill_instance = rec.decode_instance = local
+            self._awaiting_first.setdefault(local, {})[request_id] = rec.num_prompt_tokens
             self.num_local_prefills += 1
             return local
         if iid is None:
@@ -224,6 +247,7 @@ class GlobalPolicy:
             self.affinity.record(iid, rec.prefix_digests, report.num_blocks or None)
         rec.phase = Phase.PREFILL
         rec.prefill_instance = iid
+        self._awaiting_first.setdefault(iid, {})[request_id] = rec.num_prompt_tokens - cached
         return iid
 
     def reroute(self, request_id: str) -> None:
@@ -231,6 +255,7 @@ class GlobalPolicy:
         rec = self._table[request_id]
         if rec.phase is not Phase.PREFILL:
             raise ValueError(f"request {request_id!r} is {rec.phase.value}, not in prefill")
+        self._settle_prefill(rec)
         rec.phase = Phase.ARRIVED
         rec.prefill_instance = None
 
@@ -249,6 +274,7 @@ class GlobalPolicy:
             return
         if rec.first_token_time is None:
             rec.first_token_time = now
+            self._settle_prefill(rec)
         rec.last_token_time = now
         rec.num_output_tokens += num_new
 
@@ -259,6 +285,7 @@ class GlobalPolicy:
         rec = self._table[request_id]
         if rec.phase.terminal:
             return False
+        self._settle_prefill(rec)
         rec.phase = phase
         rec.finish_time = now
         rec.finish_reason = reason

@@ -433,7 +433,7 @@ class ClusterEngineClient:
             pad_last_chunk=c.pad_last_chunk,
             num_kv_blocks=c.num_kv_blocks, kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
             max_model_len=self.max_model_len, cpu_cores=c.cores_for(slot.local_index),
-            num_threads=c.cores_per_instance if c.device == "cpu" else None, seed=c.seed + index,
+            num_threads=c.cores_per_instance if c.device == "cpu" else None, nice=c.instance_nice, seed=c.seed + index,
             enable_prefix_caching=c.enable_prefix_caching,
             prefill_policy=pol.prefill_policy, prefill_sched_batch=c.prefill_sched_batch,
             cache_aware_prefill_order=c.cache_aware_prefill_order, prefill_merge_limit=c.prefill_merge_limit,

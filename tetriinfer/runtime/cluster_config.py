@@ -10,6 +10,7 @@ from tetriinfer.core.migration import MigrationConfig
 from tetriinfer.core.prefix_affinity import PrefixAffinity
 from tetriinfer.core.rebalance import RebalanceConfig
 from tetriinfer.core.scale_policy import ScaleConfig
+from tetriinfer.runtime.priority import check_nice
 
 MODES = ("tetriinfer", "distserve", "colocated", "sarathi")
 CHUNK_PADDINGS = ("auto", "full", "none")
@@ -90,6 +91,7 @@ class ClusterConfig:
     flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv | inflation
     report_interval_s: float = 0.1
     cores_per_instance: int = 1
+    instance_nice: int = 0  # nice value of instance processes (runtime.priority; < 0 needs root)
     pin_cores: bool = True
     seed: int = 0
     startup_timeout_s: float = 180.0
@@ -128,6 +130,7 @@ class ClusterConfig:
         pads_last_chunk(self.chunk_padding, self.device)  # validates chunk_padding
         if self.prefill_merge_limit is not None and self.prefill_merge_limit < 1:
             raise ValueError(f"prefill_merge_limit must be >= 1 (or unset), got {self.prefill_merge_limit}")
+        check_nice(self.instance_nice)
         if self.cores_per_instance < 1:
             raise ValueError("cores_per_instance must be >= 1")
         if not 0 < self.flip_threshold < 1:

@@ -25,6 +25,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--instances", type=int, default=2, help="instances in colocated modes")
     p.add_argument("--cores-per-instance", type=int, default=1)
+    p.add_argument("--instance-nice", type=int, default=0, metavar="N",
+                   help="nice value of the instance processes (-20..19; below 0 needs root): on a CPU, where each "
+                        "instance stands in for an accelerator, a negative value keeps the unpinned front end and "
+                        "load clients from delaying its steps (docs/instance_priority.md)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--chunk-padding", default="auto", choices=["auto", "full", "none"],
                    help="pad the last, partly filled prefill chunk to --chunk-size: full (the paper), none, or "
@@ -167,7 +171,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
         flip_idle_by=args.flip_idle_by,
-        report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance, seed=args.seed,
+        report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance,
+        instance_nice=args.instance_nice, seed=args.seed,
         launcher=args.launcher, ray_address=args.ray_address, startup_timeout_s=args.startup_timeout,
         replace_dead=args.replace_dead, autoscale=args.autoscale, autoscale_high=args.autoscale_high,
         autoscale_low=args.autoscale_low, autoscale_window_s=args.autoscale_window,

@@ -1,0 +1,87 @@
+"""``--instance-nice``: instance processes run at the asked CPU priority, every thread of them, and a priority the
+process may not take is reported, never fatal."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve_helpers import ServeProcess
+from tetriinfer.runtime import priority
+from tetriinfer.runtime.cluster_config import ClusterConfig
+from tetriinfer.runtime.instance_spec import InstanceSpec
+from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
+
+linux_only = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice values need Linux /proc")
+
+
+@linux_only
+def test_every_thread_gets_the_nice_value_and_later_threads_inherit_it() -> None:
+    """In a child process (the test process keeps its priority): threads made before the call are reniced with the
+    calling one, a thread made after inherits; a raise (+nice) needs no privilege."""
+    code = textwrap.dedent("""
+        import os, threading, json
+        from tetriinfer.runtime.priority import set_process_nice, thread_nice_values
+        stop = threading.Event()
+        before = [threading.Thread(target=stop.wait) for _ in range(2)]
+        for t in before: t.start()
+        why_not = set_process_nice(7)
+        after = threading.Thread(target=stop.wait); after.start()
+        print(json.dumps({"why_not": why_not, "nice": thread_nice_values(os.getpid())}))
+        stop.set()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    import json
+
+    res = json.loads(out.stdout)
+    assert res["why_not"] is None
+    assert len(res["nice"]) == 4 and set(res["nice"].values()) == {7}, res["nice"]
+
+
+def test_a_priority_the_process_may_not_take_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(which: int, who: int, value: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    why_not = priority.set_process_nice(-10)
+    assert why_not is not None and "CAP_SYS_NICE" in why_not
+
+
+def test_nice_values_are_validated_and_reach_the_cluster_config_from_the_command_line() -> None:
+    for bad in (-21, 20):
+        with pytest.raises(ValueError, match="nice"):
+            ClusterConfig(model="m", instance_nice=bad)
+        with pytest.raises(ValueError, match="nice"):
+            InstanceSpec("i", "prefill", "ipc://x", "m", nice=bad)
+    p = argparse.ArgumentParser()
+    add_cluster_args(p)
+    assert cluster_config_from_args(p.parse_args(["--instance-nice", "-10"]), "m").instance_nice == -10
+    assert cluster_config_from_args(p.parse_args([]), "m").instance_nice == 0  # default: leave the priority alone
+
+
+@linux_only
+@pytest.mark.parametrize("mode", [["--mode", "tetriinfer"], ["--mode", "colocated", "--instances", "2"]])
+def test_served_instances_run_at_the_nice_value_and_answer(tiny_llama: Path, mode: list[str]) -> None:
+    """A real server with ``--instance-nice 5`` (a raise: no privilege needed): every thread of every instance
+    process is at 5, the front end at its own priority, and a completion still comes back."""
+    srv = ServeProcess(tiny_llama, *mode, "--instance-nice", "5")
+    try:
+        pids = srv.child_pids()
+        assert len(pids) == 2
+        for pid in pids:
+            values = priority.thread_nice_values(pid)
+            assert len(values) >= 2 and set(values.values()) == {5}, values
+        assert set(priority.thread_nice_values(srv.proc.pid).values()) == {os.getpriority(os.PRIO_PROCESS, 0)}
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
+                       json={"model": model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert srv.stop() == 0
