@@ -1,14 +1,15 @@
-"""Who waits for a CPU while serving: instance processes vs the front end, with and without ``--instance-nice``.
+"""Who waits for a CPU while serving: instance processes vs the front end, at three priority settings.
 
 Each instance process is pinned to its own core and stands in for an accelerator, but the front end (HTTP, SSE,
 detokenization) and the load client are not pinned, and Linux runs them wherever a core looks least busy. This
-script serves one workload per (mode, nice) server -- the side-by-side layouts: 1 prefill + 1 decode instance vs
-2 colocated, one core each -- and reads ``/proc/PID/schedstat`` of every instance process and of the front end
+script serves one workload per (mode, priority) server -- the side-by-side layouts: 1 prefill + 1 decode instance
+vs 2 colocated, one core each; priority: the default, ``--instance-nice N`` (instances only) and ``--frontend-nice
+N`` (the front end, and the instances that inherit it) -- and reads ``/proc/PID/schedstat`` of every instance process and of the front end
 before and after: *run* = seconds on a CPU, *wait* = seconds runnable but not running (every thread of the
 process summed). A prefill instance's wait is added to its prompts' TTFT one for one. Mean TTFT and JCT of the
 run come from the same requests. Servers alternate over ``--rounds`` so a drifting machine favours none.
 
-    python benchmarks/bench_instance_priority.py --workload lphd --rate 2.8 --rounds 2 --out docs/instance_priority.md
+    python benchmarks/bench_instance_priority.py --workload mixed --rate 5 --rounds 2
 """
 
 from __future__ import annotations
@@ -58,16 +59,25 @@ def frontend_pid(url: str) -> int:
     raise RuntimeError(f"no serve process on port {port}")
 
 
-def one_server(model: str, mode: str, nice: int, workload_name: str, n: int, rate: float, seed: int) -> dict:
+PRIORITIES = ("default", "instances", "all")  # who gets the nice value: nobody, instances, front end + instances
+
+
+def priority_args(priority: str, nice: int) -> list[str]:
+    return {"default": [], "instances": ["--instance-nice", str(nice)], "all": ["--frontend-nice", str(nice)]}[priority]
+
+
+def one_server(model: str, mode: str, prio: list[str], workload_name: str, n: int, rate: float, seed: int) -> dict:
     args = [*sbs.layout_args(mode, 2, 1), "--kv-cache-memory-gb", "0.25", "--dtype", "bfloat16",
-            *(TETRI_ARGS if mode == "tetriinfer" else []), "--instance-nice", str(nice)]
+            *(TETRI_ARGS if mode == "tetriinfer" else []), *prio]
     wl = load_workload(workload_name, n, rate, seed, max_prompt_tokens=1024, max_output_tokens=192)
     with sbs.serve(model, mode, args, 600) as url:
         procs = {i["id"]: i["pid"] for i in sbs.cluster_busy(url)["instances"]}
         procs["front end"] = frontend_pid(url)
         before = {name: schedstat(pid) for name, pid in procs.items()}
-        cfg = ClientConfig(base_url=url, model=sbs.served_model_id(url), seed=seed, progress=False)
-        res = run_benchmark(cfg, wl, SLO(), f"{mode} nice {nice}")
+        tokenizer = model if (Path(model) / "tokenizer.json").is_file() else None  # real text, as side-by-side
+        cfg = ClientConfig(base_url=url, model=sbs.served_model_id(url), tokenizer=tokenizer, seed=seed,
+                           progress=False)
+        res = run_benchmark(cfg, wl, SLO(), f"{mode} {' '.join(prio) or 'default'}")
         time.sleep(0.3)
         after = {name: schedstat(pid) for name, pid in procs.items()}
     reqs = [r for r in res["requests"] if r["success"]]
@@ -85,7 +95,7 @@ def main() -> int:
     ap.add_argument("--workload", default="lphd")
     ap.add_argument("-n", "--num-requests", type=int, default=96)
     ap.add_argument("--rate", type=float, default=2.8, help="req/s (Poisson)")
-    ap.add_argument("--nice", type=int, default=-10, help="the --instance-nice value compared with 0")
+    ap.add_argument("--nice", type=int, default=-10, help="the nice value of the non-default rows")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the markdown table here")
@@ -93,25 +103,25 @@ def main() -> int:
     if os.geteuid() != 0 and a.nice < 0:
         raise SystemExit("a negative nice value needs root (or CAP_SYS_NICE)")
     model = a.model or str(default_model_path())
-    cells = [(mode, nice) for mode in ("tetriinfer", "colocated") for nice in (0, a.nice)]
-    results: dict[tuple[str, int], list[dict]] = {}
+    cells = [(mode, prio) for mode in ("tetriinfer", "colocated") for prio in PRIORITIES]
+    results: dict[tuple[str, str], list[dict]] = {}
     with tqdm(total=a.rounds * len(cells), desc="servers") as bar:
         for rnd in range(a.rounds):
-            for mode, nice in cells[rnd % len(cells):] + cells[:rnd % len(cells)]:
-                results.setdefault((mode, nice), []).append(
-                    one_server(model, mode, nice, a.workload, a.num_requests, a.rate, a.seed))
+            for mode, prio in cells[rnd % len(cells):] + cells[:rnd % len(cells)]:
+                results.setdefault((mode, prio), []).append(
+                    one_server(model, mode, priority_args(prio, a.nice), a.workload, a.num_requests, a.rate, a.seed))
                 bar.update(1)
     lines = [f"{a.workload}, {a.num_requests} requests at {a.rate} req/s (Poisson), bf16, {a.rounds} rounds per row "
              "(means over rounds); run / wait = CPU seconds on a core / runnable but waiting, per process", "",
-             "| mode | instance nice | TTFT mean ms | JCT mean ms | process: run s / wait s |",
-             "|---|---:|---:|---:|---|"]
-    for mode, nice in cells:
-        rs = results[(mode, nice)]
+             "| mode | nice " + str(a.nice) + " for | TTFT mean ms | JCT mean ms | process: run s / wait s |",
+             "|---|---|---:|---:|---|"]
+    for mode, prio in cells:
+        rs = results[(mode, prio)]
         procs = sorted(rs[0]["procs"])
         proc_cells = ", ".join(
             f"{p}: {statistics.mean(r['procs'][p][0] for r in rs):.2f} / {statistics.mean(r['procs'][p][1] for r in rs):.2f}"
             for p in procs)
-        lines.append(f"| {mode} | {nice} | {statistics.mean(r['ttft'] for r in rs) * 1e3:.1f} | "
+        lines.append(f"| {mode} | {prio} | {statistics.mean(r['ttft'] for r in rs) * 1e3:.1f} | "
                      f"{statistics.mean(r['jct'] for r in rs) * 1e3:.1f} | {proc_cells} |")
     table = "\n".join(lines)
     print("\n" + table)

@@ -63,22 +63,30 @@ def test_nice_values_are_validated_and_reach_the_cluster_config_from_the_command
     p = argparse.ArgumentParser()
     add_cluster_args(p)
     assert cluster_config_from_args(p.parse_args(["--instance-nice", "-10"]), "m").instance_nice == -10
-    assert cluster_config_from_args(p.parse_args([]), "m").instance_nice == 0  # default: leave the priority alone
+    assert cluster_config_from_args(p.parse_args([]), "m").instance_nice is None  # default: the front end's
+    assert InstanceSpec("i", "prefill", "ipc://x", "m").nice is None
 
 
 @linux_only
-@pytest.mark.parametrize("mode", [["--mode", "tetriinfer"], ["--mode", "colocated", "--instances", "2"]])
-def test_served_instances_run_at_the_nice_value_and_answer(tiny_llama: Path, mode: list[str]) -> None:
-    """A real server with ``--instance-nice 5`` (a raise: no privilege needed): every thread of every instance
-    process is at 5, the front end at its own priority, and a completion still comes back."""
-    srv = ServeProcess(tiny_llama, *mode, "--instance-nice", "5")
+@pytest.mark.parametrize(("args", "frontend", "instances"), [
+    (["--mode", "tetriinfer", "--instance-nice", "5"], None, 5),
+    (["--mode", "colocated", "--instances", "2", "--frontend-nice", "3"], 3, 3),  # instances inherit it
+], ids=["instance-nice", "frontend-nice"])
+def test_served_processes_run_at_their_nice_values_and_answer(
+    tiny_llama: Path, args: list[str], frontend: int | None, instances: int,
+) -> None:
+    """A real server with raised nice values (no privilege needed): every thread of every instance process is at
+    ``instances``, every thread of the front end at ``frontend`` (None: the test process's), and a completion
+    still comes back."""
+    srv = ServeProcess(tiny_llama, *args)
     try:
         pids = srv.child_pids()
         assert len(pids) == 2
         for pid in pids:
             values = priority.thread_nice_values(pid)
-            assert len(values) >= 2 and set(values.values()) == {5}, values
-        assert set(priority.thread_nice_values(srv.proc.pid).values()) == {os.getpriority(os.PRIO_PROCESS, 0)}
+            assert len(values) >= 2 and set(values.values()) == {instances}, values
+        want_frontend = os.getpriority(os.PRIO_PROCESS, 0) if frontend is None else frontend
+        assert set(priority.thread_nice_values(srv.proc.pid).values()) == {want_frontend}
         model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
         r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
                        json={"model": model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})

@@ -91,7 +91,7 @@ class ClusterConfig:
     flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv | inflation
     report_interval_s: float = 0.1
     cores_per_instance: int = 1
-    instance_nice: int = 0  # nice value of instance processes (runtime.priority; < 0 needs root)
+    instance_nice: int | None = None  # nice value of instance processes (runtime.priority); None: the front end's
     pin_cores: bool = True
     seed: int = 0
     startup_timeout_s: float = 180.0
@@ -130,7 +130,8 @@ class ClusterConfig:
         pads_last_chunk(self.chunk_padding, self.device)  # validates chunk_padding
         if self.prefill_merge_limit is not None and self.prefill_merge_limit < 1:
             raise ValueError(f"prefill_merge_limit must be >= 1 (or unset), got {self.prefill_merge_limit}")
-        check_nice(self.instance_nice)
+        if self.instance_nice is not None:
+            check_nice(self.instance_nice)
         if self.cores_per_instance < 1:
             raise ValueError("cores_per_instance must be >= 1")
         if not 0 < self.flip_threshold < 1:

@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         args = [line]
     spec = decode_spec(bytes.fromhex(args[0]))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if spec.nice:
+    if spec.nice is not None:
         why_not = set_process_nice(spec.nice)
         if why_not:
             print(f"[{spec.instance_id}] warning: {why_not}; running at the inherited priority", file=sys.stderr)

@@ -30,7 +30,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     max_model_len: int | None = None
     cpu_cores: list[int] | None = None
     num_threads: int | None = None
-    nice: int = 0  # CPU scheduling priority of this process (runtime.priority); 0 = leave as inherited
+    nice: int | None = None  # CPU scheduling priority of this process (runtime.priority); None: as inherited
     seed: int = 0
     enable_prefix_caching: bool = False
     # policies
@@ -72,7 +72,8 @@ class InstanceSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"predictor_mode must be 'parallel' or 'sequential', got {self.predictor_mode!r}")
         if self.kv_transfer not in ("request", "chunk"):
             raise ValueError(f"kv_transfer must be 'request' or 'chunk', got {self.kv_transfer!r}")
-        check_nice(self.nice)
+        if self.nice is not None:
+            check_nice(self.nice)
         if self.report_interval_s <= 0:
             raise ValueError("report_interval_s must be > 0")
         if self.transfer_attempts < 1 or self.max_dispatch_attempts < 1:

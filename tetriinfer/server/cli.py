@@ -25,10 +25,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--instances", type=int, default=2, help="instances in colocated modes")
     p.add_argument("--cores-per-instance", type=int, default=1)
-    p.add_argument("--instance-nice", type=int, default=0, metavar="N",
-                   help="nice value of the instance processes (-20..19; below 0 needs root): on a CPU, where each "
-                        "instance stands in for an accelerator, a negative value keeps the unpinned front end and "
-                        "load clients from delaying its steps (docs/instance_priority.md)")
+    p.add_argument("--instance-nice", type=int, default=None, metavar="N",
+                   help="nice value of the instance processes (-20..19; below 0 needs root; default: the front "
+                        "end's): on a CPU, where each instance stands in for an accelerator, a negative value keeps "
+                        "the unpinned front end and load clients from delaying its steps (docs/instance_priority.md)")
+    p.add_argument("--frontend-nice", type=int, default=None, metavar="N",
+                   help="nice value of the front end process (HTTP, routing, streaming), set before it starts "
+                        "the instances, which inherit it unless --instance-nice is given (default: unchanged)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--chunk-padding", default="auto", choices=["auto", "full", "none"],
                    help="pad the last, partly filled prefill chunk to --chunk-size: full (the paper), none, or "
@@ -215,8 +218,13 @@ def build_client(args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tetriinfer.runtime.priority import check_nice, set_process_nice
     from tetriinfer.server.app import build_app
 
+    if args.frontend_nice is not None:
+        why_not = set_process_nice(check_nice(args.frontend_nice))
+        if why_not:
+            print(f"warning: front end: {why_not}; running at the inherited priority", file=sys.stderr, flush=True)
     client, name = build_client(args)
     app = build_app(client, served_model_name=name, api_key=args.api_key)
     if hasattr(client, "metrics"):
