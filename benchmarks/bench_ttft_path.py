@@ -46,19 +46,6 @@ def closed_loop_ttfts(url: str, lengths: list[int], repeats: int, seed: int) -> 
     return out
 
 
-def extra_serve_args(serve_args: list[str], mode: str) -> list[str]:
-    """``--serve-arg`` values for ``mode``: unprefixed ones apply to every mode, ``MODE:ARGS`` to that one."""
-    out: list[str] = []
-    for item in serve_args:
-        head, sep, rest = item.partition(":")
-        if sep and head in EXTRA_ARGS:
-            if head == mode:
-                out += rest.split()
-        else:
-            out += item.split()
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
@@ -72,6 +59,7 @@ def main() -> int:
     if a.repeats < 2 or a.rounds < 1:
         raise SystemExit("--repeats must be >= 2 and --rounds >= 1")
     lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
+    extra = {c.label: list(c.serve_args) for c in sbs.parse_columns(",".join(EXTRA_ARGS), serve_args=a.serve_arg)}
     model = a.model or str(default_model_path())
     times: dict[tuple[str, int], list[float]] = {}
     order = list(EXTRA_ARGS)
@@ -79,7 +67,7 @@ def main() -> int:
         for rnd in range(a.rounds):
             for mode in order[rnd % len(order):] + order[:rnd % len(order)]:
                 args = [*sbs.layout_args(mode, 2, 1), "--kv-cache-memory-gb", "0.25", *EXTRA_ARGS[mode],
-                        *extra_serve_args(a.serve_arg, mode)]
+                        *extra[mode]]
                 with sbs.serve(model, mode, args, 600) as url:
                     for n, ts in closed_loop_ttfts(url, lengths, a.repeats, a.seed + rnd).items():
                         times.setdefault((mode, n), []).extend(ts)

@@ -44,7 +44,7 @@ from tetriinfer.runtime.messages import (
     encode,
 )
 from tetriinfer.runtime.prefill_worker import PrefillWorker
-from tetriinfer.runtime.priority import set_process_nice
+from tetriinfer.runtime.priority import apply_nice
 from tetriinfer.runtime.worker_base import InstanceContext, wire_load
 
 WORKERS = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
@@ -290,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         args = [line]
     spec = decode_spec(bytes.fromhex(args[0]))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if spec.nice is not None:
-        why_not = set_process_nice(spec.nice)
-        if why_not:
-            print(f"[{spec.instance_id}] warning: {why_not}; running at the inherited priority", file=sys.stderr)
+    apply_nice(spec.nice, spec.instance_id)
     Instance(spec).run()
     return 0
 

@@ -1,4 +1,4 @@
-"""CPU scheduling priority of an instance process (``--instance-nice``).
+"""CPU scheduling priority of the serving processes (``--instance-nice``, ``--frontend-nice``).
 
 On a CPU testbed each instance process stands in for an accelerator, but the front end (HTTP, detokenization,
 SSE) and any load client on the host are not pinned and run on the same cores. Linux's scheduler moves them to
@@ -17,6 +17,7 @@ serves).
 from __future__ import annotations
 
 import os
+import sys
 
 NICE_MIN, NICE_MAX = -20, 19
 
@@ -47,6 +48,16 @@ def set_process_nice(nice: int) -> str | None:
     except PermissionError as exc:
         return f"cannot set nice {nice} (needs root or CAP_SYS_NICE): {exc}"
     return None
+
+
+def apply_nice(nice: int | None, who: str) -> None:
+    """``set_process_nice`` for a process starting up (``None``: leave it as inherited); a refusal is printed to
+    stderr as a warning naming ``who`` and the process goes on at its inherited priority."""
+    if nice is None:
+        return
+    why_not = set_process_nice(nice)
+    if why_not:
+        print(f"{who}: warning: {why_not}; running at the inherited priority", file=sys.stderr, flush=True)
 
 
 def thread_nice_values(pid: int) -> dict[int, int]:

@@ -218,13 +218,10 @@ def build_client(args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tetriinfer.runtime.priority import check_nice, set_process_nice
+    from tetriinfer.runtime.priority import apply_nice
     from tetriinfer.server.app import build_app
 
-    if args.frontend_nice is not None:
-        why_not = set_process_nice(check_nice(args.frontend_nice))
-        if why_not:
-            print(f"warning: front end: {why_not}; running at the inherited priority", file=sys.stderr, flush=True)
+    apply_nice(args.frontend_nice, "front end")
     client, name = build_client(args)
     app = build_app(client, served_model_name=name, api_key=args.api_key)
     if hasattr(client, "metrics"):
