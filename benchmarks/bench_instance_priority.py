@@ -1,10 +1,11 @@
-"""Who waits for a CPU while serving: instance processes vs the front end, at three priority settings.
+"""Who waits for a CPU while serving: instance processes vs the front end, at four priority settings.
 
 Each instance process is pinned to its own core and stands in for an accelerator, but the front end (HTTP, SSE,
 detokenization) and the load client are not pinned, and Linux runs them wherever a core looks least busy. This
 script serves one workload per (mode, priority) server -- the side-by-side layouts: 1 prefill + 1 decode instance
 vs 2 colocated, one core each; priority: the default, ``--instance-nice N`` (instances only) and ``--frontend-nice
-N`` (the front end, and the instances that inherit it) -- and reads ``/proc/PID/schedstat`` of every instance process and of the front end
+N`` (the front end, and the instances that inherit it) and, TetriInfer only, ``--prefill-rt-priority P`` (the
+prefill instance under SCHED_FIFO, nothing else changed) -- and reads ``/proc/PID/schedstat`` of every instance process and of the front end
 before and after: *run* = seconds on a CPU, *wait* = seconds runnable but not running (every thread of the
 process summed). A prefill instance's wait is added to its prompts' TTFT one for one. Mean TTFT and JCT of the
 run come from the same requests. Servers alternate over ``--rounds`` so a drifting machine favours none.
@@ -59,11 +60,14 @@ def frontend_pid(url: str) -> int:
     raise RuntimeError(f"no serve process on port {port}")
 
 
-PRIORITIES = ("default", "instances", "all")  # who gets the nice value: nobody, instances, front end + instances
+# who gets a higher priority: nobody, the instances (nice), front end + instances (nice), the prefill instance
+# (SCHED_FIFO; a colocated instance never holds the prefill role)
+PRIORITIES = {"tetriinfer": ("default", "instances", "all", "prefill-rt"), "colocated": ("default", "instances", "all")}
 
 
-def priority_args(priority: str, nice: int) -> list[str]:
-    return {"default": [], "instances": ["--instance-nice", str(nice)], "all": ["--frontend-nice", str(nice)]}[priority]
+def priority_args(priority: str, nice: int, rt_priority: int) -> list[str]:
+    return {"default": [], "instances": ["--instance-nice", str(nice)], "all": ["--frontend-nice", str(nice)],
+            "prefill-rt": ["--prefill-rt-priority", str(rt_priority)]}[priority]
 
 
 def one_server(model: str, mode: str, prio: list[str], workload_name: str, n: int, rate: float, seed: int) -> dict:
@@ -95,25 +99,26 @@ def main() -> int:
     ap.add_argument("--workload", default="lphd")
     ap.add_argument("-n", "--num-requests", type=int, default=96)
     ap.add_argument("--rate", type=float, default=2.8, help="req/s (Poisson)")
-    ap.add_argument("--nice", type=int, default=-10, help="the nice value of the non-default rows")
+    ap.add_argument("--nice", type=int, default=-10, help="the nice value of the 'instances' and 'all' rows")
+    ap.add_argument("--rt-priority", type=int, default=10, help="the SCHED_FIFO priority of the 'prefill-rt' row")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     a = ap.parse_args()
-    if os.geteuid() != 0 and a.nice < 0:
-        raise SystemExit("a negative nice value needs root (or CAP_SYS_NICE)")
+    if os.geteuid() != 0:
+        raise SystemExit("a negative nice value and SCHED_FIFO need root (or CAP_SYS_NICE)")
     model = a.model or str(default_model_path())
-    cells = [(mode, prio) for mode in ("tetriinfer", "colocated") for prio in PRIORITIES]
+    cells = [(mode, prio) for mode, prios in PRIORITIES.items() for prio in prios]
     results: dict[tuple[str, str], list[dict]] = {}
     with tqdm(total=a.rounds * len(cells), desc="servers") as bar:
         for rnd in range(a.rounds):
             for mode, prio in cells[rnd % len(cells):] + cells[:rnd % len(cells)]:
                 results.setdefault((mode, prio), []).append(
-                    one_server(model, mode, priority_args(prio, a.nice), a.workload, a.num_requests, a.rate, a.seed))
+                    one_server(model, mode, priority_args(prio, a.nice, a.rt_priority), a.workload, a.num_requests, a.rate, a.seed))
                 bar.update(1)
     lines = [f"{a.workload}, {a.num_requests} requests at {a.rate} req/s (Poisson), bf16, {a.rounds} rounds per row "
              "(means over rounds); run / wait = CPU seconds on a core / runnable but waiting, per process", "",
-             "| mode | nice " + str(a.nice) + " for | TTFT mean ms | JCT mean ms | process: run s / wait s |",
+             f"| mode | raised priority (nice {a.nice}; prefill-rt: SCHED_FIFO {a.rt_priority}) | TTFT mean ms | JCT mean ms | process: run s / wait s |",
              "|---|---|---:|---:|---|"]
     for mode, prio in cells:
         rs = results[(mode, prio)]

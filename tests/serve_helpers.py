@@ -74,3 +74,9 @@ def pid_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def realtime_allowed() -> bool:
+    """Whether a process here may take SCHED_FIFO (root or CAP_SYS_NICE), asked of a child process."""
+    code = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_helpers import ServeProcess
+from tests.serve_helpers import ServeProcess, realtime_allowed
 from tetriinfer.runtime import priority
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.runtime.instance_spec import InstanceSpec
@@ -91,5 +91,92 @@ def test_served_processes_run_at_their_nice_values_and_answer(
         r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
                        json={"model": model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert srv.stop() == 0
+
+
+# ---- --prefill-rt-priority: SCHED_FIFO while prefilling ---------------------------------------------------------
+@linux_only
+def test_real_time_policy_reaches_every_thread_and_is_given_back_keeping_the_nice_value() -> None:
+    """In a child process: SCHED_FIFO reaches the threads made before the call and is inherited by one made after;
+    going back to SCHED_OTHER keeps the nice value set before. Without the privilege, the refusal is returned and
+    every thread stays under the normal scheduler."""
+    code = textwrap.dedent("""
+        import os, threading, json
+        from tetriinfer.runtime.priority import set_process_nice, set_process_realtime, thread_policies, thread_nice_values
+        stop = threading.Event()
+        before = threading.Thread(target=stop.wait); before.start()
+        set_process_nice(3)
+        why_not = set_process_realtime(6)
+        after = threading.Thread(target=stop.wait); after.start()
+        fifo = thread_policies(os.getpid())
+        back = set_process_realtime(None)
+        print(json.dumps({"why_not": why_not, "fifo": fifo, "back": back, "other": thread_policies(os.getpid()),
+                          "nice": thread_nice_values(os.getpid())}))
+        stop.set()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    import json
+
+    res = json.loads(out.stdout)
+    other = [os.SCHED_OTHER, 0]
+    assert len(res["fifo"]) == 3 and res["back"] is None
+    if realtime_allowed():
+        assert res["why_not"] is None
+        assert all(v == [os.SCHED_FIFO, 6] for v in res["fifo"].values()), res["fifo"]
+    else:
+        assert "CAP_SYS_NICE" in res["why_not"]
+        assert all(v == other for v in res["fifo"].values()), res["fifo"]
+    assert all(v == other for v in res["other"].values()), res["other"]
+    assert set(res["nice"].values()) == {3}
+
+
+def test_a_real_time_policy_the_process_may_not_take_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    def refuse(pid: int, policy: int, param: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    assert priority.apply_realtime(5, "prefill-0") is False
+    err = capsys.readouterr().err
+    assert "prefill-0" in err and "CAP_SYS_NICE" in err and "normal scheduler" in err
+
+
+def test_real_time_priorities_are_validated_and_reach_the_cluster_config_from_the_command_line() -> None:
+    for bad in (0, 100):
+        with pytest.raises(ValueError, match="real-time priority"):
+            ClusterConfig(model="m", prefill_rt_priority=bad)
+        with pytest.raises(ValueError, match="real-time priority"):
+            InstanceSpec("i", "prefill", "ipc://x", "m", prefill_rt_priority=bad)
+        with pytest.raises(ValueError, match="real-time priority"):
+            priority.set_process_realtime(bad)
+    with pytest.raises(ValueError, match="keep_decode"):  # a prefill instance that decodes would hold its core
+        ClusterConfig(model="m", prefill_rt_priority=10, keep_decode=True)
+    p = argparse.ArgumentParser()
+    add_cluster_args(p)
+    assert cluster_config_from_args(p.parse_args(["--prefill-rt-priority", "10"]), "m").prefill_rt_priority == 10
+    assert cluster_config_from_args(p.parse_args([]), "m").prefill_rt_priority is None  # off by default
+
+
+@linux_only
+def test_only_the_prefill_instance_runs_real_time_and_the_server_answers(tiny_llama: Path) -> None:
+    """A real 1 prefill + 1 decode server with --prefill-rt-priority 7: every thread of the prefill instance is
+    SCHED_FIFO 7 (or, without the privilege, the normal scheduler), the decode instance and the front end stay under
+    the normal scheduler, and completions come back."""
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-rt-priority", "7")
+    try:
+        pids = {i["role"]: i["pid"] for i in srv.cluster()["instances"]}
+        assert set(pids) == {"prefill", "decode"}
+        want = (os.SCHED_FIFO, 7) if realtime_allowed() else (os.SCHED_OTHER, 0)
+        prefill = priority.thread_policies(pids["prefill"])
+        assert len(prefill) >= 2 and set(prefill.values()) == {want}, prefill
+        assert set(priority.thread_policies(pids["decode"]).values()) == {(os.SCHED_OTHER, 0)}
+        assert set(priority.thread_policies(srv.proc.pid).values()) == {(os.SCHED_OTHER, 0)}
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        for prompt in ("Hello", "A longer prompt about the weather in the mountains today"):
+            r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
+                           json={"model": model, "prompt": prompt, "max_tokens": 6, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     finally:
         assert srv.stop() == 0

@@ -4,12 +4,14 @@ in place (same pid, no reload), and no request is lost."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import httpx
 import pytest
 
-from tests.serve_helpers import ServeProcess
+from tests.serve_helpers import ServeProcess, realtime_allowed
+from tetriinfer.runtime.priority import thread_policies
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +19,7 @@ def flip_server(tiny_llama):
     srv = ServeProcess(
         tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "2", "--decode-instances", "1",
         "--chunk-size", "64", "--flip", "--flip-window", "0.5", "--flip-threshold", "0.2",
+        "--prefill-rt-priority", "5",
     )
     yield srv
     assert srv.stop() == 0
@@ -48,6 +51,11 @@ def test_prefill_instance_flips_to_decode_under_decode_load(flip_server):
     assert after[flip["instance"]]["pid"] == before[flip["instance"]]["pid"]
     roles = sorted(i["role"] for i in info["instances"])
     assert roles.count("prefill") >= 1 and roles.count("decode") >= 1
+    # --prefill-rt-priority: the flipped instance gave SCHED_FIFO back; instances still prefilling hold it
+    fifo = (os.SCHED_FIFO, 5) if realtime_allowed() else (os.SCHED_OTHER, 0)
+    for inst in info["instances"]:
+        want = fifo if inst["role"] == "prefill" else (os.SCHED_OTHER, 0)
+        assert set(thread_policies(inst["pid"]).values()) == {want}, (inst["id"], inst["role"])
     metrics = httpx.get(f"{flip_server.base_url}/metrics").text
     assert "tetriinfer_instance_flips_total" in metrics
     deadline = time.monotonic() + 20

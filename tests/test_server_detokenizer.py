@@ -146,3 +146,28 @@ def test_streamed_text_equals_final_text_property(
         assert streamed == full[: full.find(stop)]
     else:
         assert streamed == full
+
+
+def test_fast_decoder_uses_the_rust_backend_only_where_decode_would_do_nothing_more(tok: PreTrainedTokenizerFast) -> None:
+    """The direct backend path is taken for a fast tokenizer without space clean-up and gives decode's text; a
+    tokenizer that cleans up spaces, or one without a backend, goes through its own decode."""
+    from tetriinfer.server.detokenizer import fast_decoder
+
+    calls: list[list[int]] = []
+
+    class Spy:
+        def __init__(self, inner: PreTrainedTokenizerFast, clean_up: bool) -> None:
+            self.inner, self._tokenizer, self.clean_up_tokenization_spaces = inner, inner._tokenizer, clean_up
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            calls.append(list(ids))
+            return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = tok.encode("<|bos|>" + TEXTS[2] + " and , spaces .")
+    for skip in (True, False):
+        want = tok.decode(ids, skip_special_tokens=skip)
+        assert fast_decoder(Spy(tok, clean_up=False), skip)(ids) == want and calls == []
+        assert fast_decoder(Spy(tok, clean_up=True), skip)(ids) == want and calls == [ids]
+        calls.clear()
+    bare = type("Bare", (), {"decode": lambda self, ids, skip_special_tokens=True: "x" * len(ids)})()
+    assert fast_decoder(bare, True)([1, 2, 3]) == "xxx"

@@ -10,7 +10,7 @@ from tetriinfer.core.migration import MigrationConfig
 from tetriinfer.core.prefix_affinity import PrefixAffinity
 from tetriinfer.core.rebalance import RebalanceConfig
 from tetriinfer.core.scale_policy import ScaleConfig
-from tetriinfer.runtime.priority import check_nice
+from tetriinfer.runtime.priority import check_nice, check_rt_priority
 
 MODES = ("tetriinfer", "distserve", "colocated", "sarathi")
 CHUNK_PADDINGS = ("auto", "full", "none")
@@ -92,6 +92,7 @@ class ClusterConfig:
     report_interval_s: float = 0.1
     cores_per_instance: int = 1
     instance_nice: int | None = None  # nice value of instance processes (runtime.priority); None: the front end's
+    prefill_rt_priority: int | None = None  # SCHED_FIFO priority of instances while they prefill; None: normal
     pin_cores: bool = True
     seed: int = 0
     startup_timeout_s: float = 180.0
@@ -132,6 +133,12 @@ class ClusterConfig:
             raise ValueError(f"prefill_merge_limit must be >= 1 (or unset), got {self.prefill_merge_limit}")
         if self.instance_nice is not None:
             check_nice(self.instance_nice)
+        if self.prefill_rt_priority is not None:
+            check_rt_priority(self.prefill_rt_priority)
+            if self.keep_decode:
+                raise ValueError("prefill_rt_priority with keep_decode: a prefill instance that keeps decodes runs "
+                                 "steps back to back, and under SCHED_FIFO it would starve everything else on its "
+                                 "core; use one or the other")
         if self.cores_per_instance < 1:
             raise ValueError("cores_per_instance must be >= 1")
         if not 0 < self.flip_threshold < 1:

@@ -44,7 +44,7 @@ from tetriinfer.runtime.messages import (
     encode,
 )
 from tetriinfer.runtime.prefill_worker import PrefillWorker
-from tetriinfer.runtime.priority import apply_nice
+from tetriinfer.runtime.priority import apply_nice, apply_realtime
 from tetriinfer.runtime.worker_base import InstanceContext, wire_load
 
 WORKERS = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
@@ -126,10 +126,18 @@ class Instance:
         # the collector's reach, so a full GC pass (~0.25 s with torch's object graph) cannot stall a step.
         gc.collect()
         gc.freeze()
+        self._apply_role_priority()
         self._send_front(
             Hello(spec.instance_id, spec.role, self.address, os.getpid(), socket.gethostname(),
                   parts.kv_manager.num_blocks, parts.max_model_len)
         )
+
+    def _apply_role_priority(self) -> None:
+        """With ``spec.prefill_rt_priority``: ``SCHED_FIFO`` while this instance holds the prefill role, the normal
+        scheduler in any other (runtime.priority). Called at start and after every flip."""
+        if self.spec.prefill_rt_priority is None:
+            return
+        apply_realtime(self.spec.prefill_rt_priority if self.role == "prefill" else None, self.spec.instance_id)
 
     # ---- sockets ---------------------------------------------------------------------------
     def _send_front(self, msg: Message) -> None:
@@ -231,6 +239,7 @@ class Instance:
         self.worker = WORKERS[self.target_role](self.ctx)
         self.role = self.target_role
         self.target_role = None
+        self._apply_role_priority()
         self.state = InstanceState.ACTIVE
         switch_s = time.perf_counter() - t_switch
         self._send_front(RoleSwitched(self.spec.instance_id, self.role, drain_s, switch_s))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tetriinfer.runtime.priority import check_nice
+from tetriinfer.runtime.priority import check_nice, check_rt_priority
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -31,6 +31,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     cpu_cores: list[int] | None = None
     num_threads: int | None = None
     nice: int | None = None  # CPU scheduling priority of this process (runtime.priority); None: as inherited
+    prefill_rt_priority: int | None = None  # SCHED_FIFO priority while in the prefill role; None: never real-time
     seed: int = 0
     enable_prefix_caching: bool = False
     # policies
@@ -74,6 +75,8 @@ class InstanceSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"kv_transfer must be 'request' or 'chunk', got {self.kv_transfer!r}")
         if self.nice is not None:
             check_nice(self.nice)
+        if self.prefill_rt_priority is not None:
+            check_rt_priority(self.prefill_rt_priority)
         if self.report_interval_s <= 0:
             raise ValueError("report_interval_s must be > 0")
         if self.transfer_attempts < 1 or self.max_dispatch_attempts < 1:

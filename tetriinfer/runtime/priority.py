@@ -1,4 +1,5 @@
-"""CPU scheduling priority of the serving processes (``--instance-nice``, ``--frontend-nice``).
+"""CPU scheduling priority of the serving processes (``--instance-nice``, ``--frontend-nice``,
+``--prefill-rt-priority``).
 
 On a CPU testbed each instance process stands in for an accelerator, but the front end (HTTP, detokenization,
 SSE) and any load client on the host are not pinned and run on the same cores. Linux's scheduler moves them to
@@ -12,20 +13,35 @@ every thread the process has now (a warm spare has already imported torch and Ze
 inherit it. Lowering the value below the current one needs root or CAP_SYS_NICE: without it, the value stays
 and the reason is returned for the caller to log (never an exception: an instance without the privilege still
 serves).
+
+A nice value only weights the fair scheduler: a prefill that wakes on a core where the front end or the load
+client is running still waits for the scheduler to preempt them (0.98 s per 96 prompts at nice -10,
+docs/instance_priority.md). ``set_process_realtime`` puts every thread under ``SCHED_FIFO``, which preempts any
+normal task at once; an instance takes it while it holds the prefill role, whose work is short, bursty and on
+the TTFT path, and gives it back when it flips to decode (``Instance``). The kernel's real-time throttling
+(``/proc/sys/kernel/sched_rt_runtime_us``, 95% by default) keeps a core from being taken whole.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 NICE_MIN, NICE_MAX = -20, 19
+RT_PRIORITY_MIN, RT_PRIORITY_MAX = 1, 99  # SCHED_FIFO's range on Linux
 
 
 def check_nice(nice: int) -> int:
     if not NICE_MIN <= nice <= NICE_MAX:
         raise ValueError(f"nice must be in [{NICE_MIN}, {NICE_MAX}], got {nice}")
     return nice
+
+
+def check_rt_priority(priority: int) -> int:
+    if not RT_PRIORITY_MIN <= priority <= RT_PRIORITY_MAX:
+        raise ValueError(f"real-time priority must be in [{RT_PRIORITY_MIN}, {RT_PRIORITY_MAX}], got {priority}")
+    return priority
 
 
 def thread_ids() -> list[int]:
@@ -36,15 +52,20 @@ def thread_ids() -> list[int]:
         return [os.getpid()]
 
 
+def _each_thread(action: Callable[[int], None]) -> None:
+    """``action(tid)`` for every thread of this process, skipping threads that end meanwhile."""
+    for tid in thread_ids():
+        try:
+            action(tid)
+        except ProcessLookupError:
+            continue
+
+
 def set_process_nice(nice: int) -> str | None:
     """Give every thread of this process the nice value ``nice``. Returns None on success, else why not."""
     check_nice(nice)
     try:
-        for tid in thread_ids():
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except ProcessLookupError:  # the thread ended meanwhile
-                continue
+        _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
     except PermissionError as exc:
         return f"cannot set nice {nice} (needs root or CAP_SYS_NICE): {exc}"
     return None
@@ -58,6 +79,43 @@ def apply_nice(nice: int | None, who: str) -> None:
     why_not = set_process_nice(nice)
     if why_not:
         print(f"{who}: warning: {why_not}; running at the inherited priority", file=sys.stderr, flush=True)
+
+
+def set_process_realtime(priority: int | None) -> str | None:
+    """Put every thread of this process under ``SCHED_FIFO`` at ``priority`` (None: back to ``SCHED_OTHER``,
+    which keeps each thread's nice value). Threads made later inherit the policy. Returns None on success, else
+    why not (the policy is then unchanged: the first thread refused is the calling one or an earlier one)."""
+    if priority is not None:
+        check_rt_priority(priority)
+    if not hasattr(os, "sched_setscheduler"):
+        return "real-time scheduling needs Linux"
+    policy, param = (os.SCHED_OTHER, os.sched_param(0)) if priority is None else (
+        os.SCHED_FIFO, os.sched_param(priority))
+    try:
+        _each_thread(lambda tid: os.sched_setscheduler(tid, policy, param))
+    except PermissionError as exc:
+        return f"cannot take SCHED_FIFO priority {priority} (needs root or CAP_SYS_NICE): {exc}"
+    return None
+
+
+def apply_realtime(priority: int | None, who: str) -> bool:
+    """``set_process_realtime``; a refusal is printed to stderr as a warning naming ``who`` and the process goes
+    on under its current policy. True when the process now runs as asked."""
+    why_not = set_process_realtime(priority)
+    if why_not:
+        print(f"{who}: warning: {why_not}; running under the normal scheduler", file=sys.stderr, flush=True)
+    return why_not is None
+
+
+def thread_policies(pid: int) -> dict[int, tuple[int, int]]:
+    """(scheduling policy, real-time priority) of every thread of process ``pid``; policy is one of ``os.SCHED_*``."""
+    out: dict[int, tuple[int, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = (os.sched_getscheduler(int(tid)), os.sched_getparam(int(tid)).sched_priority)
+        except ProcessLookupError:
+            continue
+    return out
 
 
 def thread_nice_values(pid: int) -> dict[int, int]:

@@ -29,6 +29,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="nice value of the instance processes (-20..19; below 0 needs root; default: the front "
                         "end's): on a CPU, where each instance stands in for an accelerator, a negative value keeps "
                         "the unpinned front end and load clients from delaying its steps (docs/instance_priority.md)")
+    p.add_argument("--prefill-rt-priority", type=int, default=None, metavar="N",
+                   help="run instances in the prefill role under SCHED_FIFO at priority N (1..99; needs root or "
+                        "CAP_SYS_NICE): a prompt's forward preempts the front end and load clients at once instead of "
+                        "waiting for the fair scheduler; given back on a flip to decode (docs/instance_priority.md). "
+                        "Default: off")
     p.add_argument("--frontend-nice", type=int, default=None, metavar="N",
                    help="nice value of the front end process (HTTP, routing, streaming), set before it starts "
                         "the instances, which inherit it unless --instance-nice is given (default: unchanged)")
@@ -175,7 +180,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
         flip_idle_by=args.flip_idle_by,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance,
-        instance_nice=args.instance_nice, seed=args.seed,
+        instance_nice=args.instance_nice, prefill_rt_priority=args.prefill_rt_priority, seed=args.seed,
         launcher=args.launcher, ray_address=args.ray_address, startup_timeout_s=args.startup_timeout,
         replace_dead=args.replace_dead, autoscale=args.autoscale, autoscale_high=args.autoscale_high,
         autoscale_low=args.autoscale_low, autoscale_window_s=args.autoscale_window,

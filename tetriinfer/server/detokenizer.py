@@ -19,14 +19,32 @@ Invariants:
 - After a stop string matches, ``stopped`` is true, ``stop_reason`` is the matching string, and further
   tokens are ignored; ``num_tokens`` counts the tokens consumed up to and including the one that
   completed the match (vLLM's ``completion_tokens``).
+
+Speed: each token costs two decodes of a few ids. For a ``transformers`` fast tokenizer that does not clean up
+tokenization spaces, those go straight to its Rust ``tokenizers.Tokenizer`` (what its ``decode`` calls after
+Python-side argument handling), about 4x cheaper per call; every other tokenizer goes through ``decode``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
+
+
+def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=...)``: the Rust backend's decode when
+    that is all ``decode`` would do (a fast tokenizer, no clean-up of tokenization spaces), else ``decode``."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
+            Tokenizer = None  # type: ignore[assignment,misc]  # noqa: N806
+        if Tokenizer is not None and isinstance(backend, Tokenizer):
+            return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -44,6 +62,7 @@ class IncrementalDetokenizer:
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self._tok = tokenizer
+        self._decode_ids = fast_decoder(tokenizer, skip_special_tokens)
         self._stop = tuple(stop)
         self._min_tokens = min_tokens
         self._skip_special = skip_special_tokens
@@ -106,7 +125,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
+        return self._decode_ids(ids)
 
     def _decode_newest(self, *, flush: bool) -> str:
         """Text contributed by the tokens after ``_read_offset``; '' while a character is incomplete."""
