@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from tokenizers import Tokenizer
+
 _REPLACEMENT = "\ufffd"
 
 
@@ -37,13 +39,8 @@ def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[in
     """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=...)``: the Rust backend's decode when
     that is all ``decode`` would do (a fast tokenizer, no clean-up of tokenization spaces), else ``decode``."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
-            Tokenizer = None  # type: ignore[assignment,misc]  # noqa: N806
-        if Tokenizer is not None and isinstance(backend, Tokenizer):
-            return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
@@ -61,11 +58,9 @@ class IncrementalDetokenizer:
             raise ValueError("stop strings must be non-empty")
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
-        self._tok = tokenizer
         self._decode_ids = fast_decoder(tokenizer, skip_special_tokens)
         self._stop = tuple(stop)
         self._min_tokens = min_tokens
-        self._skip_special = skip_special_tokens
         self._include_stop = include_stop_str_in_output
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.token_ids: list[int] = []
