@@ -16,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from tetriinfer.bench.client import BenchmarkClient, ClientConfig, PromptBuilder, run_benchmark, save_results
+from tetriinfer.bench.client import (
+    TRANSPORTS,
+    BenchmarkClient,
+    ClientConfig,
+    PromptBuilder,
+    run_benchmark,
+    save_results,
+)
 from tetriinfer.bench.metrics import SLO, summarize
 from tetriinfer.bench.workloads import Workload, WorkloadRequest
 
@@ -159,13 +166,14 @@ def _run(cfg: ClientConfig, workload: Workload):  # type: ignore[no-untyped-def]
     return asyncio.run(BenchmarkClient(cfg).run(workload))
 
 
-def test_timing_bookkeeping_and_payload(server: FakeServer) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_timing_bookkeeping_and_payload(server: FakeServer, transport: str) -> None:
     reqs = [
         WorkloadRequest("r0", 0.0, 50, 5),
         WorkloadRequest("r1", 0.05, 60, 1),
         WorkloadRequest("r2", 0.1, 70, 8),
     ]
-    cfg = ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False)
+    cfg = ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False, transport=transport)
     records, duration, max_ctx = _run(cfg, _workload(reqs))
     assert max_ctx == 4096
     assert all(r.success for r in records), [r.error for r in records]
@@ -192,7 +200,8 @@ def test_timing_bookkeeping_and_payload(server: FakeServer) -> None:
     assert s["itl"]["count"] == 4 + 7 and s["tpot"]["count"] == 2
 
 
-def test_failures_are_counted_not_raised(server: FakeServer) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_failures_are_counted_not_raised(server: FakeServer, transport: str) -> None:
     reqs = [
         WorkloadRequest("ok", 0.0, 10, 4),
         WorkloadRequest("500", 0.0, 10, 4, prompt_text="fail500"),
@@ -201,7 +210,8 @@ def test_failures_are_counted_not_raised(server: FakeServer) -> None:
         WorkloadRequest("long", 0.01, 5000, 4),  # over the server's max_model_len 4096
         WorkloadRequest("slow", 0.01, 10, 2, prompt_text="slow"),
     ]
-    cfg = ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False, request_timeout_s=0.6)
+    cfg = ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False, request_timeout_s=0.6,
+                       transport=transport)
     records, duration, _ = _run(cfg, _workload(reqs))
     rec = {r.request_id: r for r in records}
     assert rec["ok"].success and rec["ok"].output_tokens == 4
@@ -270,6 +280,8 @@ def test_run_benchmark_results_json(server: FakeServer, tmp_path: Path) -> None:
 
 
 def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="transport"):
+        ClientConfig("http://x", "m", transport="curl")
     with pytest.raises(ValueError, match="base_url"):
         ClientConfig("localhost:8000", "m")
     with pytest.raises(FileNotFoundError):

@@ -161,6 +161,9 @@ def _add_run_args(p: argparse.ArgumentParser, required: bool) -> None:
     )
     s.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument("--client-transport", choices=("raw", "httpx"), default="raw",
+                   help="the load client's HTTP transport: raw (lean asyncio protocol on uvloop, the least CPU per "
+                   "streamed token) or httpx (benchmarks/bench_client_overhead.py compares them)")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     s.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput (ms)")
     s.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput (ms)")
@@ -203,6 +206,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         server_usage=not args.no_server_usage,
+        transport=args.client_transport,
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)
@@ -328,6 +332,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         rounds=args.rounds,
         floor=not args.no_floor,
+        client_transport=args.client_transport,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -403,6 +408,9 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS")
     p.add_argument("--slo-e2e", type=float, default=None, metavar="MS")
     p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--client-transport", choices=("raw", "httpx"), default="raw",
+                   help="the load client's HTTP transport: raw (lean asyncio protocol on uvloop, the least CPU per "
+                   "streamed token) or httpx (benchmarks/bench_client_overhead.py compares them)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="per instance")
     p.add_argument("--out", required=True, help="results JSON")

@@ -12,6 +12,10 @@ Token counting: per chunk, from the cumulative ``usage`` (vLLM's ``continuous_us
 chunk's ``logprobs.tokens`` or ``token_ids``, else one token per non-empty text chunk; the total is the
 final ``usage.completion_tokens`` when the server sends it (``stream_options.include_usage``).
 
+Transport: ``bench.sse_transport`` (one ``asyncio.Protocol`` per request, on uvloop), which costs the machine
+under test far less CPU per streamed token than httpx; ``ClientConfig(transport="httpx")`` keeps httpx's client
+for comparison (`benchmarks/bench_client_overhead.py`).
+
 Failures (HTTP errors, error events, disconnects, timeouts, a stream that ends before ``[DONE]``/a
 finish reason) are recorded on the request and counted; they never stop the run.
 """
@@ -21,18 +25,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
+import uvloop
 from tqdm import tqdm
 
 from tetriinfer.bench.metrics import SLO, RequestRecord, summarize
 from tetriinfer.bench.server_usage import scrape_settled, usage_between
+from tetriinfer.bench.sse_transport import Endpoint, RemoteProtocolError, post_stream
 from tetriinfer.bench.workloads import Workload, WorkloadRequest, with_max_context
 
 _BASE_TEXT = (
@@ -43,6 +50,9 @@ _BASE_TEXT = (
     "freezes, the roads turn to mud, and the village library becomes the warmest room in town, where "
     "students read history, chemistry, poetry and mathematics by the light of tall windows."
 )
+
+
+TRANSPORTS = ("raw", "httpx")
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class ClientConfig:
     progress: bool = True
     user: str | None = None  # OpenAI's ``user`` field on every request (tags a run in the server's logs)
     server_usage: bool = True  # read the server's /metrics before and after the run (bench.server_usage)
+    transport: str = "raw"  # "raw": bench.sse_transport (lean, the default); "httpx": httpx's streaming client
+
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -85,6 +97,8 @@ class ClientConfig:
             raise ValueError(
                 f"random_token_range must be (lo, hi) with 0 <= lo < hi, got {self.random_token_range}"
             )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise FileNotFoundError(f"tokenizer not found: {self.tokenizer}")
 
@@ -170,12 +184,66 @@ def _chunk_token_count(choice: dict[str, Any], text: str) -> int:
     return 1 if text else 0
 
 
+_JSON = msgspec.json.Decoder()  # ~3x json.loads on a chunk; raises msgspec.DecodeError (a ValueError)
+
+
+class _StreamTally:
+    """One request's streamed events as they arrive: tokens per chunk, chunk times, the final usage.
+
+    ``on_data(payload, now)`` takes one ``data:`` payload of the event stream (``now`` = ``time.perf_counter()``
+    when it was read) and returns True at ``[DONE]``. Token counting is the module docstring's; an error event
+    or a payload that is not a JSON object raises (the request fails)."""
+
+    __slots__ = ("rec", "t0", "usage_total", "cumulative", "finished")
+
+    def __init__(self, rec: RequestRecord, t0: float) -> None:
+        self.rec = rec
+        self.t0 = t0
+        self.usage_total: int | None = None
+        self.cumulative: int | None = None
+        self.finished = False
+
+    def on_data(self, payload: bytes, now: float) -> bool:
+        if payload == b"[DONE]":
+            self.finished = True
+            return True
+        data = _JSON.decode(payload)
+        if not isinstance(data, dict):
+            raise _StreamFailure(f"bad event: {payload[:200].decode('utf-8', 'replace')}")
+        if "error" in data:
+            raise _StreamFailure(f"server error event: {json.dumps(data['error'])[:300]}")
+        choices = data.get("choices") or []
+        usage = data.get("usage") or None
+        completion = usage.get("completion_tokens") if usage else None
+        n_tok = 0
+        if choices:
+            choice = choices[0]
+            if completion is not None:
+                n_tok = int(completion) - (self.cumulative or 0)
+                self.cumulative = int(completion)
+            else:
+                n_tok = _chunk_token_count(choice, choice.get("text") or "")
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        if completion is not None:
+            self.usage_total = int(completion)
+        if n_tok > 0:
+            rec = self.rec
+            if rec.first_token_s is None:
+                rec.first_token_s = now - self.t0
+            rec.chunk_times_s.append(now - self.t0)
+            rec.chunk_tokens.append(n_tok)
+        return False
+
+
 class BenchmarkClient:
     """Sends one workload open-loop and returns per-request records plus the run duration."""
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self._prompts = PromptBuilder(config.tokenizer, config.seed, config.random_token_range)
+        self._endpoint = Endpoint.from_url(config.url)
+        self._auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
 
     def payload(self, index: int, req: WorkloadRequest) -> dict[str, Any]:
         cfg = self.config
@@ -236,53 +304,15 @@ class BenchmarkClient:
     ) -> None:
         body = self.payload(index, req)
         rec.send_s = time.perf_counter() - t0
-        usage_total: int | None = None
-        cumulative: int | None = None
-        finished = False
+        tally = _StreamTally(rec, t0)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                async with client.stream("POST", self.config.url, json=body) as resp:
-                    rec.http_status = resp.status_code
-                    if resp.status_code != 200:
-                        detail = (await resp.aread())[:300].decode("utf-8", "replace")
-                        raise _StreamFailure(f"HTTP {resp.status_code}: {detail}")
-                    async for line in resp.aiter_lines():
-                        now = time.perf_counter() - t0
-                        line = line.strip()
-                        if not line.startswith("data:"):
-                            continue
-                        data_text = line[len("data:") :].strip()
-                        if data_text == "[DONE]":
-                            finished = True
-                            break
-                        data = json.loads(data_text)
-                        if not isinstance(data, dict):
-                            raise _StreamFailure(f"bad event: {data_text[:200]}")
-                        if "error" in data:
-                            raise _StreamFailure(f"server error event: {json.dumps(data['error'])[:300]}")
-                        choices = data.get("choices") or []
-                        usage = data.get("usage") or None
-                        n_tok = 0
-                        if choices:
-                            choice = choices[0]
-                            text = choice.get("text") or ""
-                            if usage and usage.get("completion_tokens") is not None:
-                                new_cum = int(usage["completion_tokens"])
-                                n_tok = new_cum - (cumulative or 0)
-                                cumulative = new_cum
-                            else:
-                                n_tok = _chunk_token_count(choice, text)
-                            if choice.get("finish_reason") is not None:
-                                finished = True
-                        if usage and usage.get("completion_tokens") is not None:
-                            usage_total = int(usage["completion_tokens"])
-                        if n_tok > 0:
-                            if rec.first_token_s is None:
-                                rec.first_token_s = now
-                            rec.chunk_times_s.append(now)
-                            rec.chunk_tokens.append(n_tok)
-            rec.output_tokens = usage_total if usage_total is not None else sum(rec.chunk_tokens)
-            if not finished:
+                if self.config.transport == "raw":
+                    await self._stream_raw(body, rec, tally)
+                else:
+                    await self._stream_httpx(client, body, rec, tally)
+            rec.output_tokens = tally.usage_total if tally.usage_total is not None else sum(rec.chunk_tokens)
+            if not tally.finished:
                 raise _StreamFailure("stream ended before [DONE] or a finish_reason")
             if rec.output_tokens < 1 or not rec.chunk_times_s:
                 raise _StreamFailure("stream finished without any output token")
@@ -291,7 +321,7 @@ class BenchmarkClient:
             rec.error = str(exc)
         except TimeoutError:
             rec.error = f"timeout: no completion within {self.config.request_timeout_s} s"
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RemoteProtocolError, OSError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}"
         except (json.JSONDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
             rec.error = f"bad stream: {type(exc).__name__}: {exc}"
@@ -299,6 +329,28 @@ class BenchmarkClient:
             rec.finish_s = time.perf_counter() - t0
             if not rec.success and rec.output_tokens == 0:
                 rec.output_tokens = sum(rec.chunk_tokens)
+
+    async def _stream_raw(self, body: dict[str, Any], rec: RequestRecord, tally: _StreamTally) -> None:
+        status, error_body = await post_stream(
+            self._endpoint, json.dumps(body).encode(), tally.on_data, headers=self._auth,
+            connect_timeout_s=self.config.connect_timeout_s,
+        )
+        rec.http_status = status
+        if status != 200:
+            raise _StreamFailure(f"HTTP {status}: {error_body[:300].decode('utf-8', 'replace')}")
+
+    async def _stream_httpx(
+        self, client: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord, tally: _StreamTally
+    ) -> None:
+        async with client.stream("POST", self.config.url, json=body) as resp:
+            rec.http_status = resp.status_code
+            if resp.status_code != 200:
+                detail = (await resp.aread())[:300].decode("utf-8", "replace")
+                raise _StreamFailure(f"HTTP {resp.status_code}: {detail}")
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                if line.startswith("data:") and tally.on_data(line[5:].strip().encode(), time.perf_counter()):
+                    break
 
     async def run(self, workload: Workload) -> tuple[list[RequestRecord], float, int | None]:
         """Send the workload; return (records in workload order, run duration s, max context used)."""
@@ -346,6 +398,15 @@ class BenchmarkClient:
         return records, duration, max_context
 
 
+def run_client(
+    config: ClientConfig, workload: Workload, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+) -> tuple[list[RequestRecord], float, int | None]:
+    """``BenchmarkClient(config).run(workload)`` on its own event loop: uvloop's (less CPU per streamed token than
+    asyncio's) unless ``loop_factory`` says otherwise."""
+    with asyncio.Runner(loop_factory=loop_factory or uvloop.new_event_loop) as runner:
+        return runner.run(BenchmarkClient(config).run(workload))
+
+
 def run_benchmark(
     config: ClientConfig, workload: Workload, slo: SLO | None = None, label: str | None = None
 ) -> dict[str, Any]:
@@ -354,7 +415,7 @@ def run_benchmark(
     servers that export neither our counters nor vLLM's)."""
     started = datetime.now(UTC).isoformat(timespec="seconds")
     before = scrape_settled(config.base_url, config.api_key) if config.server_usage else None
-    records, duration, max_context = asyncio.run(BenchmarkClient(config).run(workload))
+    records, duration, max_context = run_client(config, workload)
     after = scrape_settled(config.base_url, config.api_key) if before is not None else None
     summary = summarize(records, duration, slo)
     cfg = asdict(config)

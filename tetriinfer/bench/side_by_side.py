@@ -139,10 +139,13 @@ class SideBySideConfig:
     progress: bool = True
     rounds: int = 1  # every column runs every workload this many times, column order rotated; records pooled
     floor: bool = True  # measure each workload's requests alone on the baseline (TTFT/JCT floors, measure_floor)
+    client_transport: str = "raw"  # the load client's transport (bench.client.ClientConfig.transport)
 
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("side-by-side needs at least one workload")
+        if self.client_transport not in ("raw", "httpx"):
+            raise ValueError(f"client_transport must be raw or httpx, got {self.client_transport!r}")
         check_length_scale(self.length_scale)
         if len(set(self.workloads)) != len(self.workloads):
             raise ValueError(f"workloads given twice: {self.workloads}")
@@ -518,6 +521,9 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
         f"at end {m.get('loadavg_end', '?')} (the machine is shared: compare columns, not absolute times)."
     )
     lines.append(f"- Model: `{meta.get('model', '?')}`; caps: {meta.get('caps', {})}.")
+    transport = meta.get("client_transport", "httpx")  # reports from before the raw transport used httpx
+    lines.append(f"- Load client: `tetriinfer bench`, {transport} transport"
+                 + (" on uvloop." if transport == "raw" else "."))
     lines.append(
         f"- Layout: {meta.get('instances', '?')} instances, one core each; disaggregated modes use "
         f"{meta.get('prefill_instances', '?')} prefill + "
@@ -762,6 +768,7 @@ class SideBySide:
             "request_timeout_s": c.request_timeout_s,
             "seed": c.seed,
             "progress": c.progress,
+            "transport": c.client_transport,
         }
 
     def _bench(self, url: str, model: str, column: Column, workload: Workload, **extra: Any) -> dict[str, Any]:
@@ -935,6 +942,7 @@ class SideBySide:
             "baseline": BASELINE,
             "instances": c.instances,
             "prefill_instances": c.prefill_instances,
+            "client_transport": c.client_transport,
             "columns": [
                 {
                     "label": col.label,
