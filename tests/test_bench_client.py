@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from tetriinfer.bench.client import (
     run_benchmark,
     save_results,
 )
+from tetriinfer.bench.client import run_client as _run_client
 from tetriinfer.bench.metrics import SLO, summarize
 from tetriinfer.bench.workloads import Workload, WorkloadRequest
 
@@ -34,6 +36,7 @@ ITL = 0.04
 class FakeServer:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.policies: list[int] = []  # the serving thread's scheduling policy at each completion
         self.metrics: Any = None  # () -> Prometheus text for GET /metrics (None: no such route)
         self.loop = asyncio.new_event_loop()
         self.port = 0
@@ -99,6 +102,7 @@ class FakeServer:
             writer.close()
 
     async def _complete(self, body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        self.policies.append(os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK)
         prompt = body["prompt"]
         mode = prompt if isinstance(prompt, str) else "ok"
         if mode == "fail500":
@@ -386,3 +390,21 @@ def test_servers_without_usage_metrics_give_no_usage(server: FakeServer) -> None
     server.metrics = lambda: "# HELP other_total x\n# TYPE other_total counter\nother_total 3\n"
     assert run_benchmark(ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False),
                          _workload(reqs))["server_usage"] is None
+
+
+def test_the_client_runs_real_time_for_the_run_only(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rt_priority``: every thread of the client's process (here also the fake server's, which shares it) is
+    SCHED_FIFO while requests stream, and back under the normal scheduler afterwards; without the privilege the run
+    goes on under the normal scheduler with a warning."""
+    from tests.serve_helpers import realtime_allowed
+
+    cfg = ClientConfig(f"http://127.0.0.1:{server.port}", "fake", progress=False, rt_priority=3)
+    records, _, _ = _run_client(cfg, _workload([WorkloadRequest("a", 0.0, 10, 3), WorkloadRequest("b", 0.02, 10, 2)]))
+    assert all(r.success for r in records)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    if realtime_allowed():
+        assert server.policies == [os.SCHED_FIFO, os.SCHED_FIFO]
+    else:
+        assert server.policies == [os.SCHED_OTHER, os.SCHED_OTHER] and "load client" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="real-time priority"):
+        ClientConfig("http://x", "m", rt_priority=0)

@@ -180,3 +180,83 @@ def test_only_the_prefill_instance_runs_real_time_and_the_server_answers(tiny_ll
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     finally:
         assert srv.stop() == 0
+
+
+@linux_only
+def test_reset_on_fork_keeps_the_real_time_policy_from_threads_and_processes_started_later() -> None:
+    """In a child process: SCHED_FIFO with reset-on-fork reaches the threads that exist, but a thread or a process
+    started afterwards runs under the normal scheduler (what keeps instances spawned by a real-time front end off
+    SCHED_FIFO)."""
+    code = textwrap.dedent("""
+        import os, subprocess, sys, threading, json
+        from tetriinfer.runtime.priority import set_process_realtime, thread_policies, resets_on_fork
+        stop = threading.Event()
+        before = threading.Thread(target=stop.wait); before.start()
+        why_not = set_process_realtime(8, reset_on_fork=True)
+        existing = thread_policies(os.getpid()); flags = resets_on_fork(os.getpid())
+        after = threading.Thread(target=stop.wait); after.start()
+        later = thread_policies(os.getpid())[after.native_id]
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        stop.set()
+        print(json.dumps({"why_not": why_not, "existing": existing, "flags": flags, "later": later,
+                          "child": int(child)}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    import json
+
+    res = json.loads(out.stdout)
+    assert len(res["existing"]) == 2
+    assert res["later"] == [os.SCHED_OTHER, 0] and res["child"] == os.SCHED_OTHER
+    if realtime_allowed():
+        assert res["why_not"] is None
+        assert all(v == [os.SCHED_FIFO, 8] for v in res["existing"].values()), res["existing"]
+        assert all(res["flags"].values())
+    else:
+        assert "CAP_SYS_NICE" in res["why_not"]
+        assert all(v == [os.SCHED_OTHER, 0] for v in res["existing"].values())
+
+
+def test_front_end_priority_combinations_that_cannot_work_are_refused() -> None:
+    priority.check_frontend_priorities(None, -5, 10)  # off: anything goes
+    priority.check_frontend_priorities(11, None, 10)
+    priority.check_frontend_priorities(3, None, None)
+    with pytest.raises(ValueError, match="exclude each other"):
+        priority.check_frontend_priorities(11, -5, 10)
+    with pytest.raises(ValueError, match="must be above --prefill-rt-priority"):
+        priority.check_frontend_priorities(10, None, 10)
+    with pytest.raises(ValueError, match="real-time priority"):
+        priority.check_frontend_priorities(100, None, None)
+    out = subprocess.run([sys.executable, "-m", "tetriinfer.cli", "serve", "--frontend-rt-priority", "5",
+                          "--prefill-rt-priority", "9"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "must be above --prefill-rt-priority" in out.stderr
+
+
+def test_a_real_time_front_end_and_prefill_instance_each_keep_their_own_policy_and_answer(tiny_llama: Path) -> None:
+    """A real 1 prefill + 1 decode server with --prefill-rt-priority 7 --frontend-rt-priority 9: the front end's
+    threads that exist once it has started (its event loop, ZeroMQ's I/O thread) are SCHED_FIFO 9 with reset-on-fork;
+    the instances it spawned did not inherit that: the prefill instance is SCHED_FIFO 7 (its own flag), the decode
+    instance the normal scheduler; streamed completions come back."""
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-rt-priority", "7", "--frontend-rt-priority", "9")
+    try:
+        pids = {i["role"]: i["pid"] for i in srv.cluster()["instances"]}
+        allowed = realtime_allowed()
+        front = priority.thread_policies(srv.proc.pid)
+        if allowed:
+            assert front[srv.proc.pid] == (os.SCHED_FIFO, 9), front
+            assert sum(v == (os.SCHED_FIFO, 9) for v in front.values()) >= 2, front  # the loop and ZeroMQ's I/O
+            assert set(front.values()) <= {(os.SCHED_FIFO, 9), (os.SCHED_OTHER, 0)}, front
+            assert priority.resets_on_fork(srv.proc.pid)[srv.proc.pid]
+        else:
+            assert set(front.values()) == {(os.SCHED_OTHER, 0)}
+        want_prefill = (os.SCHED_FIFO, 7) if allowed else (os.SCHED_OTHER, 0)
+        assert set(priority.thread_policies(pids["prefill"]).values()) == {want_prefill}
+        assert set(priority.thread_policies(pids["decode"]).values()) == {(os.SCHED_OTHER, 0)}
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        with httpx.stream("POST", f"{srv.base_url}/v1/completions", timeout=120,
+                          json={"model": model, "prompt": "Hello there", "max_tokens": 5, "ignore_eos": True,
+                                "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 6
+    finally:
+        assert srv.stop() == 0

@@ -164,6 +164,10 @@ def _add_run_args(p: argparse.ArgumentParser, required: bool) -> None:
     s.add_argument("--client-transport", choices=("raw", "httpx"), default="raw",
                    help="the load client's HTTP transport: raw (lean asyncio protocol on uvloop, the least CPU per "
                    "streamed token) or httpx (benchmarks/bench_client_overhead.py compares them)")
+    s.add_argument("--client-rt-priority", type=int, default=None, metavar="N",
+                   help="run the load client under SCHED_FIFO at priority N for the run (1..99; needs root or "
+                   "CAP_SYS_NICE), so that on a machine it shares with the server it records tokens as they arrive "
+                   "instead of after an engine step that ran on its core. Default: off")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     s.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput (ms)")
     s.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput (ms)")
@@ -207,6 +211,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         server_usage=not args.no_server_usage,
         transport=args.client_transport,
+        rt_priority=args.client_rt_priority,
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)
@@ -333,6 +338,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         floor=not args.no_floor,
         client_transport=args.client_transport,
+        client_rt_priority=args.client_rt_priority,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -411,6 +417,10 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--client-transport", choices=("raw", "httpx"), default="raw",
                    help="the load client's HTTP transport: raw (lean asyncio protocol on uvloop, the least CPU per "
                    "streamed token) or httpx (benchmarks/bench_client_overhead.py compares them)")
+    p.add_argument("--client-rt-priority", type=int, default=None, metavar="N",
+                   help="run the load client under SCHED_FIFO at priority N for the run (1..99; needs root or "
+                   "CAP_SYS_NICE), so that on a machine it shares with the server it records tokens as they arrive "
+                   "instead of after an engine step that ran on its core. Default: off")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="per instance")
     p.add_argument("--out", required=True, help="results JSON")

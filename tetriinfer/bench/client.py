@@ -41,6 +41,7 @@ from tetriinfer.bench.metrics import SLO, RequestRecord, summarize
 from tetriinfer.bench.server_usage import scrape_settled, usage_between
 from tetriinfer.bench.sse_transport import Endpoint, RemoteProtocolError, post_stream
 from tetriinfer.bench.workloads import Workload, WorkloadRequest, with_max_context
+from tetriinfer.runtime.priority import apply_realtime, check_rt_priority
 
 _BASE_TEXT = (
     "The river bends twice before it reaches the old mill, and in late summer the water runs low enough "
@@ -77,6 +78,7 @@ class ClientConfig:
     user: str | None = None  # OpenAI's ``user`` field on every request (tags a run in the server's logs)
     server_usage: bool = True  # read the server's /metrics before and after the run (bench.server_usage)
     transport: str = "raw"  # "raw": bench.sse_transport (lean, the default); "httpx": httpx's streaming client
+    rt_priority: int | None = None  # run the client under SCHED_FIFO at this priority for the run (run_client)
 
 
     def __post_init__(self) -> None:
@@ -97,6 +99,8 @@ class ClientConfig:
             raise ValueError(
                 f"random_token_range must be (lo, hi) with 0 <= lo < hi, got {self.random_token_range}"
             )
+        if self.rt_priority is not None:
+            check_rt_priority(self.rt_priority)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
@@ -402,9 +406,20 @@ def run_client(
     config: ClientConfig, workload: Workload, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
 ) -> tuple[list[RequestRecord], float, int | None]:
     """``BenchmarkClient(config).run(workload)`` on its own event loop: uvloop's (less CPU per streamed token than
-    asyncio's) unless ``loop_factory`` says otherwise."""
-    with asyncio.Runner(loop_factory=loop_factory or uvloop.new_event_loop) as runner:
-        return runner.run(BenchmarkClient(config).run(workload))
+    asyncio's) unless ``loop_factory`` says otherwise.
+
+    With ``config.rt_priority`` the calling process runs under ``SCHED_FIFO`` for the run (``SCHED_RESET_ON_FORK``:
+    nothing it starts inherits it) and goes back to the normal scheduler after: a load client that shares cores
+    with the server it measures then records each token when it arrives, not after an engine's forward that
+    happened to run on its core. Without the privilege it warns and runs as it is."""
+    realtime = config.rt_priority is not None and apply_realtime(config.rt_priority, "load client",
+                                                                 reset_on_fork=True)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory or uvloop.new_event_loop) as runner:
+            return runner.run(BenchmarkClient(config).run(workload))
+    finally:
+        if realtime:
+            apply_realtime(None, "load client")
 
 
 def run_benchmark(

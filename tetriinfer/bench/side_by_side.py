@@ -140,6 +140,7 @@ class SideBySideConfig:
     rounds: int = 1  # every column runs every workload this many times, column order rotated; records pooled
     floor: bool = True  # measure each workload's requests alone on the baseline (TTFT/JCT floors, measure_floor)
     client_transport: str = "raw"  # the load client's transport (bench.client.ClientConfig.transport)
+    client_rt_priority: int | None = None  # the load client under SCHED_FIFO (bench.client.run_client)
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -522,8 +523,9 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
     )
     lines.append(f"- Model: `{meta.get('model', '?')}`; caps: {meta.get('caps', {})}.")
     transport = meta.get("client_transport", "httpx")  # reports from before the raw transport used httpx
-    lines.append(f"- Load client: `tetriinfer bench`, {transport} transport"
-                 + (" on uvloop." if transport == "raw" else "."))
+    rt = meta.get("client_rt_priority")
+    lines.append(f"- Load client: `tetriinfer bench`, {transport} transport" + (" on uvloop" if transport == "raw" else "")
+                 + (f", under SCHED_FIFO priority {rt}" if rt is not None else "") + ".")
     lines.append(
         f"- Layout: {meta.get('instances', '?')} instances, one core each; disaggregated modes use "
         f"{meta.get('prefill_instances', '?')} prefill + "
@@ -769,6 +771,7 @@ class SideBySide:
             "seed": c.seed,
             "progress": c.progress,
             "transport": c.client_transport,
+            "rt_priority": c.client_rt_priority,
         }
 
     def _bench(self, url: str, model: str, column: Column, workload: Workload, **extra: Any) -> dict[str, Any]:
@@ -943,6 +946,7 @@ class SideBySide:
             "instances": c.instances,
             "prefill_instances": c.prefill_instances,
             "client_transport": c.client_transport,
+            "client_rt_priority": c.client_rt_priority,
             "columns": [
                 {
                     "label": col.label,

@@ -20,6 +20,12 @@ docs/instance_priority.md). ``set_process_realtime`` puts every thread under ``S
 normal task at once; an instance takes it while it holds the prefill role, whose work is short, bursty and on
 the TTFT path, and gives it back when it flips to decode (``Instance``). The kernel's real-time throttling
 (``/proc/sys/kernel/sched_rt_runtime_us``, 95% by default) keeps a core from being taken whole.
+
+The converse problem: a front end (or load client) thread that the scheduler left on the prefill instance's core
+waits behind the whole forward, and the tokens it should have passed on reach the client together afterwards.
+``--frontend-rt-priority`` puts the front end's threads under ``SCHED_FIFO`` at a priority above the prefill
+instance's, so its short bursts of work preempt a forward instead (what a GPU host gets from CPU cores of its
+own). It is set with ``SCHED_RESET_ON_FORK``: the instances and threads the front end starts do not inherit it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 NICE_MIN, NICE_MAX = -20, 19
 RT_PRIORITY_MIN, RT_PRIORITY_MAX = 1, 99  # SCHED_FIFO's range on Linux
@@ -42,6 +51,21 @@ def check_rt_priority(priority: int) -> int:
     if not RT_PRIORITY_MIN <= priority <= RT_PRIORITY_MAX:
         raise ValueError(f"real-time priority must be in [{RT_PRIORITY_MIN}, {RT_PRIORITY_MAX}], got {priority}")
     return priority
+
+
+def check_frontend_priorities(frontend_rt: int | None, frontend_nice: int | None, prefill_rt: int | None) -> None:
+    """Refuse ``--frontend-rt-priority`` combinations that cannot do what they say: with a nice value too (a
+    ``SCHED_FIFO`` thread ignores it, and the instances would no longer inherit it), or not above the prefill
+    instances' priority (the front end would still wait behind a forward)."""
+    if frontend_rt is None:
+        return
+    check_rt_priority(frontend_rt)
+    if frontend_nice is not None:
+        raise ValueError("--frontend-rt-priority and --frontend-nice exclude each other: a real-time front end "
+                         "ignores its nice value; give instances theirs with --instance-nice")
+    if prefill_rt is not None and frontend_rt <= prefill_rt:
+        raise ValueError(f"--frontend-rt-priority ({frontend_rt}) must be above --prefill-rt-priority ({prefill_rt}), "
+                         "or the front end still waits behind a prompt's forward")
 
 
 def thread_ids() -> list[int]:
@@ -81,16 +105,20 @@ def apply_nice(nice: int | None, who: str) -> None:
         print(f"{who}: warning: {why_not}; running at the inherited priority", file=sys.stderr, flush=True)
 
 
-def set_process_realtime(priority: int | None) -> str | None:
+def set_process_realtime(priority: int | None, reset_on_fork: bool = False) -> str | None:
     """Put every thread of this process under ``SCHED_FIFO`` at ``priority`` (None: back to ``SCHED_OTHER``,
-    which keeps each thread's nice value). Threads made later inherit the policy. Returns None on success, else
-    why not (the policy is then unchanged: the first thread refused is the calling one or an earlier one)."""
+    which keeps each thread's nice value). Threads made later inherit the policy, unless ``reset_on_fork``
+    (``SCHED_RESET_ON_FORK``): then every thread or process started from these threads begins under the normal
+    scheduler, and a negative nice value is not inherited either. Returns None on success, else why not (the
+    policy is then unchanged: the first thread refused is the calling one or an earlier one)."""
     if priority is not None:
         check_rt_priority(priority)
     if not hasattr(os, "sched_setscheduler"):
         return "real-time scheduling needs Linux"
     policy, param = (os.SCHED_OTHER, os.sched_param(0)) if priority is None else (
         os.SCHED_FIFO, os.sched_param(priority))
+    if reset_on_fork and priority is not None:
+        policy |= os.SCHED_RESET_ON_FORK
     try:
         _each_thread(lambda tid: os.sched_setscheduler(tid, policy, param))
     except PermissionError as exc:
@@ -98,24 +126,36 @@ def set_process_realtime(priority: int | None) -> str | None:
     return None
 
 
-def apply_realtime(priority: int | None, who: str) -> bool:
+def apply_realtime(priority: int | None, who: str, reset_on_fork: bool = False) -> bool:
     """``set_process_realtime``; a refusal is printed to stderr as a warning naming ``who`` and the process goes
     on under its current policy. True when the process now runs as asked."""
-    why_not = set_process_realtime(priority)
+    why_not = set_process_realtime(priority, reset_on_fork)
     if why_not:
         print(f"{who}: warning: {why_not}; running under the normal scheduler", file=sys.stderr, flush=True)
     return why_not is None
 
 
-def thread_policies(pid: int) -> dict[int, tuple[int, int]]:
-    """(scheduling policy, real-time priority) of every thread of process ``pid``; policy is one of ``os.SCHED_*``."""
-    out: dict[int, tuple[int, int]] = {}
+def _per_thread(pid: int, read: Callable[[int], T]) -> dict[int, T]:
+    """``read(tid)`` for every thread of process ``pid``; threads that exit meanwhile are left out."""
+    out: dict[int, T] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            out[int(tid)] = (os.sched_getscheduler(int(tid)), os.sched_getparam(int(tid)).sched_priority)
+            out[int(tid)] = read(int(tid))
         except ProcessLookupError:
             continue
     return out
+
+
+def thread_policies(pid: int) -> dict[int, tuple[int, int]]:
+    """(scheduling policy, real-time priority) of every thread of process ``pid``; policy is one of ``os.SCHED_*``
+    (without the ``SCHED_RESET_ON_FORK`` flag: ``resets_on_fork`` tells that)."""
+    return _per_thread(pid, lambda tid: (os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK,
+                                         os.sched_getparam(tid).sched_priority))
+
+
+def resets_on_fork(pid: int) -> dict[int, bool]:
+    """Whether each thread of process ``pid`` has ``SCHED_RESET_ON_FORK`` (its children start unprivileged)."""
+    return _per_thread(pid, lambda tid: bool(os.sched_getscheduler(tid) & os.SCHED_RESET_ON_FORK))
 
 
 def thread_nice_values(pid: int) -> dict[int, int]:

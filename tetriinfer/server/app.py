@@ -603,11 +603,13 @@ def build_app(
     api_key: str | None = None,
     metrics: ServerMetrics | None = None,
     manage_client: bool = True,
+    after_start: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``client``.
 
     ``metrics``: pass your own ``ServerMetrics`` to observe transfers/flips into it (also reachable as
     ``app.state.metrics``). ``manage_client``: start/shut down the client in the app's lifespan.
+    ``after_start``: called in the lifespan once the client has started, before the first request is served.
     """
     if not served_model_name:
         raise ValueError("served_model_name must be a non-empty string")
@@ -620,6 +622,8 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_client:
             await client.start()
+        if after_start is not None:
+            after_start()
         try:
             yield
         finally:

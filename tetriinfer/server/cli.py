@@ -37,6 +37,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontend-nice", type=int, default=None, metavar="N",
                    help="nice value of the front end process (HTTP, routing, streaming), set before it starts "
                         "the instances, which inherit it unless --instance-nice is given (default: unchanged)")
+    p.add_argument("--frontend-rt-priority", type=int, default=None, metavar="N",
+                   help="run the front end's threads under SCHED_FIFO at priority N (1..99; needs root or "
+                        "CAP_SYS_NICE), above --prefill-rt-priority: its short bursts (HTTP, streaming) then preempt a "
+                        "prompt's forward instead of waiting behind it on a shared core. Instances do not inherit it. "
+                        "Default: off (docs/instance_priority.md)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--chunk-padding", default="auto", choices=["auto", "full", "none"],
                    help="pad the last, partly filled prefill chunk to --chunk-size: full (the paper), none, or "
@@ -223,12 +228,21 @@ def build_client(args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tetriinfer.runtime.priority import apply_nice
+    from tetriinfer.runtime.priority import apply_nice, apply_realtime, check_frontend_priorities
     from tetriinfer.server.app import build_app
 
+    check_frontend_priorities(args.frontend_rt_priority, args.frontend_nice, args.prefill_rt_priority)
     apply_nice(args.frontend_nice, "front end")
+    rt = args.frontend_rt_priority
+
+    def take_realtime() -> None:  # at start, and again once the client has started its threads (ZeroMQ I/O)
+        apply_realtime(rt, "front end", reset_on_fork=True)
+
+    if rt is not None:
+        take_realtime()
     client, name = build_client(args)
-    app = build_app(client, served_model_name=name, api_key=args.api_key)
+    app = build_app(client, served_model_name=name, api_key=args.api_key,
+                    after_start=take_realtime if rt is not None else None)
     if hasattr(client, "metrics"):
         client.metrics = app.state.metrics
     desc = args.mode
