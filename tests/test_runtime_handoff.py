@@ -29,7 +29,7 @@ from tetriinfer.runtime.messages import Handoff, NewRequest, Tokens, WireParams,
 from tetriinfer.runtime.prefill_worker import PrefillWorker
 from tetriinfer.runtime.worker_base import InstanceContext
 from tetriinfer.sim.instances import synthetic_result
-from tetriinfer.transfer import InprocBackend
+from tetriinfer.transfer import AgentConfig, InprocBackend, make_backend
 
 BLOCK = 4
 
@@ -53,10 +53,13 @@ class RecordingRunner:
 
 
 class Node:
-    def __init__(self, iid: str, role: str, wire: deque, kv_transfer: str) -> None:
+    def __init__(self, iid: str, role: str, wire: deque, kv_transfer: str, kv_backend: str = "inproc",
+                 kv_handoff: str = "auto") -> None:
         spec = InstanceSpec(iid, role, "ipc://unused", "fake", block_size=BLOCK, chunk_size=32, max_num_seqs=8,
-                            kv_backend="inproc", kv_transfer=kv_transfer, transfer_timeout_s=2.0, pad_last_chunk=False)
-        self.backend = InprocBackend(name=f"handoff-{iid}-{id(wire)}")
+                            kv_backend=kv_backend, kv_transfer=kv_transfer, kv_handoff=kv_handoff,
+                            transfer_timeout_s=2.0, pad_last_chunk=False)
+        self.backend = (InprocBackend(name=f"handoff-{iid}-{id(wire)}") if kv_backend == "inproc"
+                        else make_backend(kv_backend, config=AgentConfig(timeout_s=2.0)))
         self.runner = RecordingRunner(64, wire)
         self.front: list = []
         self.ctx = InstanceContext(spec, self.runner, KVCacheManager(64, BLOCK), 512, self.backend,  # type: ignore[arg-type]
@@ -117,4 +120,56 @@ def test_handoff_timing_and_a_clean_end_on_both_sides(kv_transfer: str) -> None:
             assert node.ctx.kv_manager.num_used_blocks == 0 and node.worker.is_empty()
     finally:
         for node in nodes.values():
+            node.backend.shutdown()
+
+
+@pytest.mark.parametrize("kv_handoff", ["pull", "push"])
+def test_a_pull_handoff_completes_while_the_prefill_instance_is_busy(kv_handoff: str) -> None:
+    """shm, per-request transfer. After the prompt's forward the prefill instance is frozen (as if in its next
+    forward: nothing it is sent is handled). Pull: the decode instance reads the staged KV itself and decodes the
+    rest, with the prefill's bytes; only the final KVDone waits, and then the region is closed and the staging
+    freed. Push: the decode instance waits for a KVReady answer that a busy prefill instance cannot give."""
+    wire: deque = deque()
+    p = Node("p", "prefill", wire, "request", "shm", kv_handoff)
+    d = Node("d", "decode", wire, "request", "shm", kv_handoff)
+    received: dict[str, list[torch.Tensor]] = {}
+    install = d.worker.receiver.install
+
+    def spy(rcv, table):  # noqa: ANN001 - the decode side's copy of what arrived
+        received[rcv.handoff.request_id] = [t.clone() for t in rcv.staging]
+        install(rcv, table)
+
+    d.worker.receiver.install = spy  # type: ignore[method-assign]
+    try:
+        assert p.worker.pull_kv is (kv_handoff == "pull")
+        p.worker.decode_loads = [d.worker.load_report(time.time(), 0.0, InstanceState.ACTIVE)]
+        params = WireParams.from_params(SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+        p.worker.handle(NewRequest("one", [3] * 10, params, 0.0))
+        assert p.worker.step()
+        staged = p.worker.staged["one"]
+        expect = [t.clone() for t in staged.tensors]
+        assert (staged.region is not None) is (kv_handoff == "pull")
+        held_for_p: list = []
+        for _ in range(50):  # the prefill instance is frozen: its messages wait
+            while wire:
+                peer, data = wire.popleft()
+                (held_for_p.append(data) if peer == "p" else d.worker.handle(decode(data)))
+            d.worker.poll_transfers()
+            d.worker.step()
+        done = sorted(it.index for it in d.items() if it.token_ids)
+        if kv_handoff == "push":
+            assert done == [] and [type(decode(m)).__name__ for m in held_for_p] == ["KVReady"]
+            return
+        assert done == [1, 2, 3, 4, 5] and sum(1 for it in d.items() if it.finished) == 1
+        for got, want in zip(received["one"], expect, strict=True):
+            assert torch.equal(got, want)
+        assert [type(decode(m)).__name__ for m in held_for_p] == ["KVDone"]
+        assert p.backend.stats().regions == 1  # still registered until the prefill instance hears KVDone
+        for data in held_for_p:
+            p.worker.handle(decode(data))
+        assert not p.worker.staged and p.backend.stats().regions == 0
+        for node in (p, d):
+            assert node.ctx.kv_manager.num_used_blocks == 0 and node.worker.is_empty()
+    finally:
+        for node in (p, d):
             node.backend.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -221,6 +222,67 @@ def test_register_arena_region_for_one_sided_writes(pair: tuple[TransferBackend,
     assert all(np.array_equal(p, q) for p, q in zip(pool, before, strict=True))  # nothing landed
     a.release("w1")
     a.release("w2")
+    assert_clean(a, b)
+
+
+def test_one_sided_read_of_an_arena_region_needs_nothing_from_its_owner(
+        pair: tuple[TransferBackend, TransferBackend]) -> None:
+    """A registered arena region is read straight out of the owner's shared memory, in the reader's thread: done
+    when read() returns, even while the owner's I/O thread is stuck (a prefill forward holding its core)."""
+    a, b = pair
+    rng = np.random.default_rng(5)
+    pool = b.alloc_like([(300,), (5 << 20,)], np.uint8)  # the second spans two fence-checked pieces
+    for p in pool:
+        p[:] = rng.integers(0, 255, p.size, dtype=np.uint8)
+    region = b.register("kv", pool)
+    region = msgspec.msgpack.decode(msgspec.msgpack.encode(region), type=RemoteRegion)  # as over the wire
+    stall = threading.Event()
+    b._submit(stall.wait)  # type: ignore[attr-defined]  # the owner's I/O thread does nothing until set
+    try:
+        into = [np.zeros(5 << 20, np.uint8), np.zeros(300, np.uint8)]
+        a.read("rd", region, into, slots=[1, 0])
+        assert a.poll("rd") is TransferState.DONE, a.status("rd").reason
+        assert a.status("rd").bytes_done == (5 << 20) + 300
+        assert np.array_equal(into[0], pool[1]) and np.array_equal(into[1], pool[0])
+        with pytest.raises(ValueError, match="destination buffers"):
+            a.read("few", region, into[:1], slots=[0, 1])
+    finally:
+        stall.set()
+    b.deregister("kv")  # closes the fence: a later read fails at once, nothing copied
+    late = np.full(300, 9, np.uint8)
+    a.read("late", region, [late], slots=[0])
+    assert a.poll("late") is TransferState.FAILED and "closed the region" in a.status("late").reason
+    assert int(late.min()) == 9
+    for t in ("rd", "late"):
+        a.release(t)
+    assert_clean(a, b)
+
+
+def test_a_read_whose_region_changes_owner_mid_copy_fails(pair: tuple[TransferBackend, TransferBackend]) -> None:
+    """The fence word is checked after the last piece too: a region closed during the copy fails the read."""
+    a, b = pair
+    pool = b.alloc_like([(5 << 20,)], np.uint8)
+    region = b.register("kv", pool)
+    target = msgspec.msgpack.decode(region.extra, type=m.DirectTarget)
+    real_views = a._mapper.views  # type: ignore[attr-defined]
+
+    def views_then_close(refs: list[m.ShmRef]) -> list[np.ndarray]:
+        out = real_views(refs)
+        b.deregister("kv")  # the owner closes while the reader holds the mapping
+        return out
+
+    a._mapper.views = views_then_close  # type: ignore[attr-defined]
+    try:
+        a.read("torn", region, [np.zeros(5 << 20, np.uint8)])
+    finally:
+        a._mapper.views = real_views  # type: ignore[attr-defined]
+    assert a.poll("torn") is TransferState.FAILED and "closed the region" in a.status("torn").reason
+    evil = m.DirectTarget(target.fence_name, target.fence_index, target.token, [m.ShmRef("/etc/passwd", 0, 64)])
+    bad = RemoteRegion(region.address, "kv", [64], "shm", msgspec.msgpack.encode(evil))
+    a.read("evil", bad, [np.zeros(64, np.uint8)])
+    assert a.poll("evil") is TransferState.FAILED and "cannot map" in a.status("evil").reason
+    for t in ("torn", "evil"):
+        a.release(t)
     assert_clean(a, b)
 
 

@@ -41,14 +41,21 @@ class KVCacheTensors:
         # [slots, Hkv, D] -> [num_blocks, block_size, Hkv, D]
         return tensor.view(self.num_blocks, self.block_size, *tensor.shape[1:])
 
-    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Copies of the given blocks, per layer K then V: 2 * num_layers tensors [n, bs, Hkv, D]."""
+    def read_blocks(self, block_ids: list[int], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Copies of the given blocks, per layer K then V: 2 * num_layers tensors [n, bs, Hkv, D]; into ``out``
+        (same shapes and dtype, e.g. shared-memory buffers a peer reads from) when given."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        out = []
-        for k, v in zip(self.k, self.v, strict=True):
-            out.append(self.block_view(k).index_select(0, idx))
-            out.append(self.block_view(v).index_select(0, idx))
-        return out
+        if out is not None and len(out) != 2 * len(self.k):
+            raise ValueError(f"expected {2 * len(self.k)} output tensors, got {len(out)}")
+        copies = []
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            for j, cache in enumerate((k, v)):
+                src = self.block_view(cache)
+                if out is None:
+                    copies.append(src.index_select(0, idx))
+                else:
+                    copies.append(torch.index_select(src, 0, idx, out=out[2 * i + j]))
+        return copies
 
     def write_blocks(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
         """Inverse of ``read_blocks``."""

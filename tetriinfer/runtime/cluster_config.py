@@ -10,6 +10,7 @@ from tetriinfer.core.migration import MigrationConfig
 from tetriinfer.core.prefix_affinity import PrefixAffinity
 from tetriinfer.core.rebalance import RebalanceConfig
 from tetriinfer.core.scale_policy import ScaleConfig
+from tetriinfer.runtime.instance_spec import KV_HANDOFFS
 from tetriinfer.runtime.priority import check_nice, check_rt_priority
 
 MODES = ("tetriinfer", "distserve", "colocated", "sarathi")
@@ -73,6 +74,7 @@ class ClusterConfig:
     predictor_mode: str = "parallel"
     kv_backend: str = "tcp"
     kv_transfer: str = "request"
+    kv_handoff: str = "auto"  # per-request path: "push" (decode posts memory, prefill sends) | "pull" | "auto"
     link_bandwidth: str | None = None
     transfer_timeout_s: float = 10.0
     transfer_attempts: int = 3
@@ -153,6 +155,8 @@ class ClusterConfig:
             raise ValueError("report_interval_s must be > 0")
         if self.local_prefill_weight < 0:
             raise ValueError("local_prefill_weight must be >= 0")
+        if self.kv_handoff not in KV_HANDOFFS:
+            raise ValueError(f"kv_handoff must be one of {', '.join(KV_HANDOFFS)}, got {self.kv_handoff!r}")
         self.scale_config()  # validates the autoscale fields
         self.rebalance_config()
         self.migration_config()

@@ -10,6 +10,11 @@ import msgspec
 from tetriinfer.runtime.priority import check_nice, check_rt_priority
 
 ROLES = ("prefill", "decode", "colocated")
+KV_HANDOFFS = ("auto", "push", "pull")
+"""How a prefilled request's KV reaches its decode instance on the per-request path: ``push`` (the decode instance
+posts memory, KVReady, the prefill instance sends into it), ``pull`` (the prefill instance registers the staged
+KV and names it in the Handoff; the decode instance reads it one-sided, with no step of the prefill instance in
+between), ``auto`` (pull where the link reads without its owner: shm; push elsewhere)."""
 
 
 class InstanceSpec(msgspec.Struct, frozen=True):
@@ -52,6 +57,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     kv_world_size: int = 1
     kv_init_method: str = ""  # torchdist: tcp://127.0.0.1:PORT chosen by the front end
     kv_transfer: str = "request"  # request (after prefill, the paper) | chunk (block-wise while prefilling)
+    kv_handoff: str = "auto"  # per-request path: push | pull | auto (KV_HANDOFFS)
     link_bandwidth: str | None = None
     link_latency_s: float = 0.0
     transfer_timeout_s: float = 10.0
@@ -73,6 +79,8 @@ class InstanceSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"predictor_mode must be 'parallel' or 'sequential', got {self.predictor_mode!r}")
         if self.kv_transfer not in ("request", "chunk"):
             raise ValueError(f"kv_transfer must be 'request' or 'chunk', got {self.kv_transfer!r}")
+        if self.kv_handoff not in KV_HANDOFFS:
+            raise ValueError(f"kv_handoff must be one of {KV_HANDOFFS}, got {self.kv_handoff!r}")
         if self.nice is not None:
             check_nice(self.nice)
         if self.prefill_rt_priority is not None:

@@ -2,7 +2,8 @@
 decode and colocated workers.
 
 For each handoff: memory posted (backend-allocated staging, so a shared-memory sender copies straight in, once)
-and ``KVReady`` sent to the sender -> polled -> all bytes in: ``on_done`` | failed or timed out: re-posted up to
+and ``KVReady`` sent to the sender (or, when the handoff names a ``kv_region``, a one-sided read of it: the
+sender does nothing until ``KVDone``) -> polled -> all bytes in: ``on_done`` | failed or timed out: re-posted up to
 ``transfer_attempts`` times, then ``on_gave_up(handoff, reason)``. Every outcome is reported to the front end as a
 ``TransferStat``. ``install`` writes a received payload into the request's blocks (and restores a migrated seeded
 request's sampler state).
@@ -64,10 +65,13 @@ class KVReceiver:
         shape = (h.num_kv_blocks, kv.block_size, *ref.shape[1:])
         staging = self.ctx.backend.alloc_like([shape] * (2 * len(kv.k)), ref.dtype)
         tid = f"{h.request_id}#{'m' if h.migrated else ''}{attempt}"
+        self.receiving[h.request_id] = Receiving(h, staging, tid, attempt, time.perf_counter())
+        if h.kv_region is not None:  # pull: read the prefill instance's staged KV (shm: done on return)
+            self.ctx.backend.read(tid, h.kv_region, staging, timeout_s=self.ctx.spec.transfer_timeout_s)
+            return
         # Chunk-wise: one slot per (layer tensor, block) so blocks can arrive as chunks complete.
         slots = [t[b] for t in staging for b in range(h.num_kv_blocks)] if h.early else staging
         region = self.ctx.backend.recv(tid, slots, timeout_s=self.ctx.spec.transfer_timeout_s)
-        self.receiving[h.request_id] = Receiving(h, staging, tid, attempt, time.perf_counter())
         self.ctx.send_peer(h.prefill_id, KVReady(h.request_id, tid, region))
 
     def poll(self) -> None:

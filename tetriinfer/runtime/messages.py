@@ -135,6 +135,9 @@ class Handoff(msgspec.Struct, tag=True, frozen=True):
     # once or answers KVDone(failed) (the source decodes it on); ``rng_state``: its seeded sampler's state.
     migrated: bool = False
     rng_state: bytes = b""
+    # Pull hand-off (per-request path): the staged KV lies in this region the prefill instance registered; the
+    # decode instance reads it one-sided (no KVReady) and answers KVDone, after which the region is dropped.
+    kv_region: RemoteRegion | None = None
 
 
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):

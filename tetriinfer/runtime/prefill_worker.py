@@ -4,7 +4,9 @@ Lifecycle of a request here (disaggregated mode):
 NewRequest -> queued (PrefillScheduler) -> predicted -> chunks prefilled -> first token to the client ->
 KV copied to a staging buffer and the device blocks released -> dispatched (Handoff to a decode
 instance) -> KVReady (the decode side reserved blocks and posted memory) -> sent -> KVDone: staging
-freed. A KVDone(failed) re-dispatches (up to ``max_dispatch_attempts``), then the request fails with a
+freed. With a pull hand-off (``kv_handoff``; shm by default) the staging buffer is registered as a region and
+named in the Handoff; the decode instance reads it one-sided (no KVReady, nothing to do here) -> KVDone:
+region closed, staging freed. A KVDone(failed) re-dispatches (up to ``max_dispatch_attempts``), then the request fails with a
 clean error. Abort at any point frees whatever the request holds here.
 
 With ``keep_decode`` (``core.keep_decode``) a just-prefilled request may instead stay: its blocks pass from
@@ -42,6 +44,7 @@ from tetriinfer.runtime.messages import (
     decode_load,
 )
 from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, load_from_wire, schedule_decode
+from tetriinfer.transfer.messages import RemoteRegion
 
 
 @dataclass
@@ -53,6 +56,7 @@ class StagedKV:
     decode_id: str | None = None
     sending_tid: str | None = None
     send_started: float = 0.0
+    region: RemoteRegion | None = None  # pull hand-off: ``tensors`` registered for one-sided reads
 
     @property
     def nbytes(self) -> int:
@@ -108,6 +112,9 @@ class PrefillWorker:
         self.staged: dict[str, StagedKV] = {}
         self.streams: dict[str, KVStream] = {}  # chunk-wise transfers (kv_transfer == "chunk")
         self.chunk_mode = spec.kv_transfer == "chunk"
+        # Pull: the decode instance reads the staged KV itself, so a hand-off never waits for this instance's
+        # next forward to end (push needs this loop to answer KVReady). Auto: where reads need no owner (shm).
+        self.pull_kv = spec.kv_handoff == "pull" or (spec.kv_handoff == "auto" and ctx.backend.kind == "shm")
         self.no_stream: set[str] = set()  # requests whose chunk-wise transfer failed
         self.awaiting_dispatch: deque[str] = deque()
         self.oracle: dict[str, int] = {}
@@ -334,9 +341,17 @@ class PrefillWorker:
             return
         table = self.scheduler.block_table(req.request_id)
         n = self.ctx.kv_manager.pool.blocks_for_tokens(req.num_computed_tokens)
-        tensors = self.ctx.runner.kv.read_blocks(table[:n])
+        kv = self.ctx.runner.kv
+        region = None
+        if self.pull_kv:  # staged in memory the link lets peers read (shm: this instance's arena)
+            shape = (n, kv.block_size, *kv.k[0].shape[1:])
+            tensors = kv.read_blocks(table[:n], out=self.ctx.backend.alloc_like([shape] * (2 * len(kv.k)),
+                                                                                kv.k[0].dtype))
+            region = self.ctx.backend.register(_region_id(req.request_id), tensors)
+        else:
+            tensors = kv.read_blocks(table[:n])
         self.scheduler.release(req.request_id)
-        self.staged[req.request_id] = StagedKV(req, tensors, n)
+        self.staged[req.request_id] = StagedKV(req, tensors, n, region=region)
         self._dispatch(req.request_id)
 
     def _dispatch(self, rid: str) -> None:
@@ -350,10 +365,11 @@ class PrefillWorker:
         staged.decode_id = decision.instance_id
         staged.dispatch_attempts += 1
         self._account_dispatch(decision.instance_id, req)
-        self._send_handoff(req, decision.instance_id, staged.num_blocks, early=False)
+        self._send_handoff(req, decision.instance_id, staged.num_blocks, early=False, kv_region=staged.region)
         self.ctx.send_front(Dispatched(rid, decision.instance_id))
 
-    def _send_handoff(self, req: Request, decode_id: str, num_blocks: int, early: bool) -> None:
+    def _send_handoff(self, req: Request, decode_id: str, num_blocks: int, early: bool,
+                      kv_region: RemoteRegion | None = None) -> None:
         pred = None
         if req.predicted_bucket is not None:
             pred = Prediction(req.predicted_bucket, req.predicted_lower or 0, req.predicted_upper or 0)
@@ -370,6 +386,7 @@ class PrefillWorker:
                 num_kv_blocks=num_blocks,
                 prediction=pred,
                 early=early,
+                kv_region=kv_region,
             ),
         )
 
@@ -459,6 +476,8 @@ class PrefillWorker:
         staged = self.staged.pop(rid, None)
         if staged is not None and staged.sending_tid is not None:
             self.ctx.release_transfer(staged.sending_tid)
+        if staged is not None and staged.region is not None:
+            self.ctx.backend.deregister(staged.region.region_id)  # closes it first: a late reader fails cleanly
         if rid in self.awaiting_dispatch:
             self.awaiting_dispatch.remove(rid)
 
@@ -477,3 +496,8 @@ class PrefillWorker:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
         held = len(self.staged) + len(self.kept.running) + len(self.kept.suspended)  # prefilled, KV still here
         return prefill_instance_report(rep, held)
+
+
+def _region_id(request_id: str) -> str:
+    """Name of a request's staged KV region for pull hand-offs (unique while the request is staged here)."""
+    return f"{request_id}#kv"

@@ -80,6 +80,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", default="tcp", help="tcp | shm | torchdist | nixl | faulty[:tcp|shm|torchdist]")
     p.add_argument("--kv-transfer", default="request", choices=["request", "chunk"],
                    help="send KV per request after prefill (paper) or block-wise while later chunks prefill")
+    p.add_argument("--kv-handoff", default="auto", choices=["auto", "push", "pull"],
+                   help="per-request KV path: push (the decode instance posts memory, the prefill instance sends "
+                        "into it), pull (the decode instance reads the staged KV one-sided, never waiting for a "
+                        "prefill forward to end), auto: pull on shm, push elsewhere")
     p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
     p.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=False,
@@ -178,7 +182,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
         decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=args.predictor,
         predictor_mode=args.predictor_mode,
-        kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
+        kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, kv_handoff=args.kv_handoff,
+        link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
         local_prefill=args.local_prefill, local_prefill_weight=args.local_prefill_weight,
         keep_decode=args.keep_decode, keep_decode_ratio=args.keep_decode_ratio,
         flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,

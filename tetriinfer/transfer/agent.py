@@ -274,13 +274,7 @@ class ZmqAgent:
         direct = None
         if isinstance(peer, RemoteRegion):
             address, region_id, sizes = peer.address, peer.region_id, list(peer.slot_nbytes)
-            if self._mapper is not None and peer.backend == "shm" and peer.extra:
-                try:
-                    direct = msgspec.msgpack.decode(peer.extra, type=m.DirectTarget)
-                except msgspec.DecodeError:
-                    direct = None  # not ours to read: use the staging path
-                if direct is not None and len(direct.slots) != len(sizes):
-                    direct = None
+            direct = self._direct_target(peer)
         elif isinstance(peer, str):
             address, region_id, sizes = peer, transfer_id, None
         else:
@@ -379,12 +373,64 @@ class ZmqAgent:
         slot_list = list(range(len(remote_region.slot_nbytes))) if slots is None else [int(s) for s in slots]
         if len(slot_list) != len(views):
             raise ValueError(f"{len(views)} destination buffers but {len(slot_list)} slots")
+        direct = self._direct_target(remote_region)
+        refs = None if direct is None else [direct.slots[s] if 0 <= s < len(direct.slots) else None
+                                            for s in slot_list]
         with self._lock:
             rec = self._new_record(transfer_id, Role.READER, timeout_s)
             rec.bytes_total = sum(v.nbytes for v in views)
-            self._reads[transfer_id] = _Read(rec, remote_region.address, remote_region.region_id, views,
-                                             slot_list)
-        self._submit(lambda: self._io_send_read_req(transfer_id))
+            if refs is None or any(r is None for r in refs):
+                self._reads[transfer_id] = _Read(rec, remote_region.address, remote_region.region_id, views,
+                                                 slot_list)
+        if refs is None or any(r is None for r in refs):
+            self._submit(lambda: self._io_send_read_req(transfer_id))
+            return
+        assert direct is not None
+        reason = self._read_direct(direct, refs, views)  # type: ignore[arg-type]
+        with self._lock:
+            rec.start()
+            if reason is None:
+                rec.bytes_done = rec.bytes_total
+                rec.advance(TransferState.DONE)
+            else:
+                rec.fail(reason)
+
+    def _direct_target(self, region: RemoteRegion) -> m.DirectTarget | None:
+        """Where `region`'s slots lie in its owner's shared-memory arena, if it advertised that and this agent can
+        map it (shm backend: same host); None otherwise (the bytes then go through the owner's I/O thread)."""
+        if self._mapper is None or region.backend != "shm" or not region.extra:
+            return None
+        try:
+            direct = msgspec.msgpack.decode(region.extra, type=m.DirectTarget)
+        except msgspec.DecodeError:
+            return None  # not ours to read: use the staging path
+        return direct if len(direct.slots) == len(region.slot_nbytes) else None
+
+    def _read_direct(self, d: m.DirectTarget, refs: list[ShmRef], into: list[np.ndarray]) -> str | None:
+        """One-sided read with no work at the owner: copy straight out of its arena, in the caller's thread.
+
+        The owner closes a region's fence word before it frees or reuses the memory, and every opening takes a
+        fresh token, so a piece copied while the word still holds our token *after* the copy is the region's
+        data; a changed word fails the read (the bytes may be torn). Returns a failure reason or None."""
+        assert self._mapper is not None
+        try:
+            fence = self._mapper.words(d.fence_name)
+            if not 0 <= d.fence_index < len(fence):
+                return f"region owner's fence index {d.fence_index} out of range"
+            srcs = self._mapper.views(refs)
+        except (ValueError, OSError) as e:
+            return f"cannot map the region owner's memory: {e}"
+        idx, token = d.fence_index, d.token
+        for dst, src in zip(into, srcs, strict=True):
+            if dst.nbytes != src.nbytes:
+                return f"length mismatch: region slot has {src.nbytes} bytes, reader posted {dst.nbytes}"
+            for a in range(0, src.nbytes, PIECE_BYTES):
+                if fence[idx] != token:
+                    return "region owner closed the region (deregistered or shut down)"
+                np.copyto(dst[a:a + PIECE_BYTES], src[a:a + PIECE_BYTES])
+        if fence[idx] != token:
+            return "region owner closed the region during the read"
+        return None
 
     def poll(self, transfer_id: str) -> TransferState:
         """Current state; never blocks. Raises KeyError for an unknown (or released) id."""
