@@ -71,11 +71,8 @@ class Node:
         return [it for m in self.front if isinstance(m, Tokens) for it in m.items] + list(self.ctx.outbox)
 
 
-@pytest.mark.parametrize("kv_transfer", ["chunk", "request"])
-def test_handoff_timing_and_a_clean_end_on_both_sides(kv_transfer: str) -> None:
-    wire: deque = deque()
-    p, d = Node("p", "prefill", wire, kv_transfer), Node("d", "decode", wire, kv_transfer)
-    nodes = {"p": p, "d": d}
+def record_installs(d: Node) -> dict[str, list[torch.Tensor]]:
+    """Copies of every KV payload the decode node installs, by request id."""
     received: dict[str, list[torch.Tensor]] = {}
     install = d.worker.receiver.install
 
@@ -84,6 +81,15 @@ def test_handoff_timing_and_a_clean_end_on_both_sides(kv_transfer: str) -> None:
         install(rcv, table)
 
     d.worker.receiver.install = spy  # type: ignore[method-assign]
+    return received
+
+
+@pytest.mark.parametrize("kv_transfer", ["chunk", "request"])
+def test_handoff_timing_and_a_clean_end_on_both_sides(kv_transfer: str) -> None:
+    wire: deque = deque()
+    p, d = Node("p", "prefill", wire, kv_transfer), Node("d", "decode", wire, kv_transfer)
+    nodes = {"p": p, "d": d}
+    received = record_installs(d)
     try:
         p.worker.decode_loads = [d.worker.load_report(time.time(), 0.0, InstanceState.ACTIVE)]
         params = WireParams.from_params(SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0))
@@ -132,14 +138,7 @@ def test_a_pull_handoff_completes_while_the_prefill_instance_is_busy(kv_handoff:
     wire: deque = deque()
     p = Node("p", "prefill", wire, "request", "shm", kv_handoff)
     d = Node("d", "decode", wire, "request", "shm", kv_handoff)
-    received: dict[str, list[torch.Tensor]] = {}
-    install = d.worker.receiver.install
-
-    def spy(rcv, table):  # noqa: ANN001 - the decode side's copy of what arrived
-        received[rcv.handoff.request_id] = [t.clone() for t in rcv.staging]
-        install(rcv, table)
-
-    d.worker.receiver.install = spy  # type: ignore[method-assign]
+    received = record_installs(d)
     try:
         assert p.worker.pull_kv is (kv_handoff == "pull")
         p.worker.decode_loads = [d.worker.load_report(time.time(), 0.0, InstanceState.ACTIVE)]

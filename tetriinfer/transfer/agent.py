@@ -414,23 +414,13 @@ class ZmqAgent:
         data; a changed word fails the read (the bytes may be torn). Returns a failure reason or None."""
         assert self._mapper is not None
         try:
-            fence = self._mapper.words(d.fence_name)
-            if not 0 <= d.fence_index < len(fence):
-                return f"region owner's fence index {d.fence_index} out of range"
+            fence = self._fence_words(d)
             srcs = self._mapper.views(refs)
         except (ValueError, OSError) as e:
             return f"cannot map the region owner's memory: {e}"
-        idx, token = d.fence_index, d.token
-        for dst, src in zip(into, srcs, strict=True):
-            if dst.nbytes != src.nbytes:
-                return f"length mismatch: region slot has {src.nbytes} bytes, reader posted {dst.nbytes}"
-            for a in range(0, src.nbytes, PIECE_BYTES):
-                if fence[idx] != token:
-                    return "region owner closed the region (deregistered or shut down)"
-                np.copyto(dst[a:a + PIECE_BYTES], src[a:a + PIECE_BYTES])
-        if fence[idx] != token:
-            return "region owner closed the region during the read"
-        return None
+        closed = "region owner closed the region (deregistered or shut down)"
+        reason = _copy_fenced(fence, d, into, srcs, closed)
+        return reason if reason is not None or fence[d.fence_index] == d.token else closed
 
     def poll(self, transfer_id: str) -> TransferState:
         """Current state; never blocks. Raises KeyError for an unknown (or released) id."""
@@ -764,25 +754,19 @@ class ZmqAgent:
         d = out.direct
         assert d is not None and self._mapper is not None
         try:
-            fence = self._mapper.words(d.fence_name)
-            if not 0 <= d.fence_index < len(fence):
-                return f"receiver fence index {d.fence_index} out of range"
+            fence = self._fence_words(d)
             dsts = [self._mapper.target(r) for r in refs]
         except (ValueError, OSError) as e:
             return f"cannot map the receiver's memory: {e}"
-        idx, token = d.fence_index, d.token
-        for dst, src in zip(dsts, views, strict=True):
-            if dst.nbytes != src.nbytes:
-                return f"length mismatch: receiver arena slot has {dst.nbytes} bytes, sender has {src.nbytes}"
-            n = src.nbytes
-            for a in range(0, n, PIECE_BYTES):
-                if fence[idx] != token:
-                    return "receiver closed the region (cancelled, failed or timed out)"
-                if n <= PIECE_BYTES:
-                    np.copyto(dst, src)
-                else:
-                    np.copyto(dst[a:a + PIECE_BYTES], src[a:a + PIECE_BYTES])
-        return None
+        return _copy_fenced(fence, d, dsts, views, "receiver closed the region (cancelled, failed or timed out)")
+
+    def _fence_words(self, d: m.DirectTarget) -> np.ndarray:
+        """The peer's fence words, with `d`'s index checked (ValueError/OSError when unusable)."""
+        assert self._mapper is not None
+        fence = self._mapper.words(d.fence_name)
+        if not 0 <= d.fence_index < len(fence):
+            raise ValueError(f"fence index {d.fence_index} out of range")
+        return fence
 
     def _io_send_close(self, tid: str) -> None:
         out = self._out.get(tid)
@@ -1126,3 +1110,17 @@ class ZmqAgent:
 
 def unique_name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+def _copy_fenced(fence: np.ndarray, d: m.DirectTarget, dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray],
+                 closed: str) -> str | None:
+    """Copy each source into its destination in pieces of at most PIECE_BYTES, checking before every piece that the
+    region's fence word still holds `d.token` (else `closed` is returned). None: every byte copied."""
+    for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
+        if dst.nbytes != src.nbytes:
+            return f"length mismatch in slot {i}: destination has {dst.nbytes} bytes, source {src.nbytes}"
+        for a in range(0, src.nbytes, PIECE_BYTES):
+            if fence[d.fence_index] != d.token:
+                return closed
+            np.copyto(dst[a:a + PIECE_BYTES], src[a:a + PIECE_BYTES])
+    return None
