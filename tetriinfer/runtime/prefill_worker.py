@@ -231,10 +231,12 @@ class PrefillWorker:
             self._open_streams(out, before_forward=True)
         dec = self._kept_schedule()
         run = merge_steps(out, dec) if dec is not None and not dec.is_empty else out
+        self.ctx.let_io_run()  # what earlier steps queued (Handoffs, first tokens) leaves before this forward
         result = self.ctx.runner.execute(run)
         upd = self.scheduler.update(out, split_result(result, out))
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         self.ctx.flush_outbox()  # first tokens out before the KV staging copies and dispatch below
+        self.ctx.let_io_run()
         if dec is not None:
             apply_decode_step(self.ctx, self.kept, dec, split_result(result, dec))
         for req in upd.finished:

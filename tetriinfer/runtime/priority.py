@@ -146,6 +146,13 @@ def _per_thread(pid: int, read: Callable[[int], T]) -> dict[int, T]:
     return out
 
 
+def is_realtime() -> bool:
+    """Whether the calling thread runs under ``SCHED_FIFO`` (False where Linux's scheduling calls are missing)."""
+    if not hasattr(os, "sched_getscheduler"):
+        return False
+    return os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+
+
 def thread_policies(pid: int) -> dict[int, tuple[int, int]]:
     """(scheduling policy, real-time priority) of every thread of process ``pid``; policy is one of ``os.SCHED_*``
     (without the ``SCHED_RESET_ON_FORK`` flag: ``resets_on_fork`` tells that)."""

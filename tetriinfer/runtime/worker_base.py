@@ -6,6 +6,7 @@ the engine (model runner + KV tensors), sockets and the transfer backend, which 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from tetriinfer.core.request import FINISH_REASON, Request
 from tetriinfer.core.step import SchedulerOutput, StepResult
 from tetriinfer.runtime.instance_spec import InstanceSpec
 from tetriinfer.runtime.messages import Message, TokenItem, Tokens, WireLoad
+from tetriinfer.runtime.priority import is_realtime
 
 if TYPE_CHECKING:  # the front end imports this module's wire helpers and must not pay for torch
     from tetriinfer.engine.model_runner import ModelRunner
@@ -42,6 +44,17 @@ class InstanceContext:
     @staticmethod
     def now() -> float:
         return time.time()
+
+    def let_io_run(self) -> None:
+        """Let this process's ZeroMQ I/O thread send what the loop has queued (first tokens, Handoffs) now.
+
+        ZeroMQ writes to the socket from its own I/O thread. Under ``SCHED_FIFO`` (a prefill instance with
+        ``prefill_rt_priority``) that thread has the loop's priority on the loop's one core, and equal-priority
+        FIFO threads never preempt each other: a message queued just before a forward would leave only when the
+        forward ends, tens of ms later. ``sched_yield`` puts the loop behind the runnable I/O thread for one turn
+        (a no-op when nothing else is runnable). Under the normal scheduler the I/O thread preempts on wake-up."""
+        if is_realtime():
+            os.sched_yield()
 
     def flush_outbox(self) -> None:
         """Send the streamed items collected so far to the front end now (the loop also flushes after every
