@@ -260,3 +260,75 @@ def test_a_real_time_front_end_and_prefill_instance_each_keep_their_own_policy_a
         assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 6
     finally:
         assert srv.stop() == 0
+
+
+@linux_only
+@pytest.mark.parametrize("yields", [True, False])
+def test_a_real_time_loop_that_yields_lets_its_queued_message_leave_before_a_long_step(yields: bool) -> None:
+    """A child pinned to one core under SCHED_FIFO queues a ZeroMQ message, then spins (a stand-in forward) until the
+    receiver here has it, at most 3 s (0.5 s without the yield). ZeroMQ sends from its I/O thread, which has the
+    loop's priority on the same core: with ``yield_if_realtime`` first the message arrives during the spin; without
+    it, not until the spin ends (what kept a prefill instance's first tokens and Handoffs behind its next forward)."""
+    import mmap
+    import tempfile
+    import threading
+
+    import zmq
+
+    flags = tempfile.NamedTemporaryFile(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)  # noqa: SIM115
+    flags.write(b"\0" * 8)
+    flags.flush()
+    mm = mmap.mmap(flags.fileno(), 8)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def receive() -> None:  # flag 1: the warm-up arrived; flag 0: the message sent before the spin arrived
+        while not stop.is_set():
+            if pull.poll(50):
+                mm[0 if pull.recv() == b"x" else 1] = 1
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    code = textwrap.dedent(f"""
+        import json, mmap, os, sys, time
+        import zmq
+        from tetriinfer.runtime.priority import set_process_realtime, yield_if_realtime
+        os.sched_setaffinity(0, {{max(os.sched_getaffinity(0))}})  # before ZeroMQ starts its I/O thread
+        mm = mmap.mmap(os.open({flags.name!r}, os.O_RDWR), 8)
+        push = zmq.Context().socket(zmq.PUSH)
+        push.connect("tcp://127.0.0.1:{port}")
+        push.send(b"warm")
+        deadline = time.monotonic() + 20
+        while not mm[1] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        why_not = set_process_realtime(5)
+        push.send(b"x")
+        if {yields}:
+            yield_if_realtime()
+        t0 = time.monotonic()
+        seen = False
+        while time.monotonic() - t0 < {3.0 if yields else 0.5}:
+            if mm[0]:
+                seen = True
+                break
+        set_process_realtime(None)
+        print(json.dumps({{"why_not": why_not, "warm": bool(mm[1]), "seen_during_spin": seen}}))
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    finally:
+        stop.set()
+        receiver.join()
+        pull.close(linger=0)
+        ctx.term()
+    import json
+
+    res = json.loads(out.stdout)
+    assert res["warm"]
+    if not realtime_allowed():
+        assert "CAP_SYS_NICE" in res["why_not"]
+        return
+    assert res["why_not"] is None
+    assert res["seen_during_spin"] is yields

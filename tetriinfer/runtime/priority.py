@@ -153,6 +153,13 @@ def is_realtime() -> bool:
     return os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
 
 
+def yield_if_realtime() -> None:
+    """``sched_yield`` when the calling thread runs under ``SCHED_FIFO``: every runnable thread of the same priority on
+    this core (e.g. ZeroMQ's I/O thread, which sends what the caller queued) runs before the caller goes on."""
+    if is_realtime():
+        os.sched_yield()
+
+
 def thread_policies(pid: int) -> dict[int, tuple[int, int]]:
     """(scheduling policy, real-time priority) of every thread of process ``pid``; policy is one of ``os.SCHED_*``
     (without the ``SCHED_RESET_ON_FORK`` flag: ``resets_on_fork`` tells that)."""

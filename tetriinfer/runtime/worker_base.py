@@ -6,7 +6,6 @@ the engine (model runner + KV tensors), sockets and the transfer backend, which 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from tetriinfer.core.request import FINISH_REASON, Request
 from tetriinfer.core.step import SchedulerOutput, StepResult
 from tetriinfer.runtime.instance_spec import InstanceSpec
 from tetriinfer.runtime.messages import Message, TokenItem, Tokens, WireLoad
-from tetriinfer.runtime.priority import is_realtime
+from tetriinfer.runtime.priority import yield_if_realtime
 
 if TYPE_CHECKING:  # the front end imports this module's wire helpers and must not pay for torch
     from tetriinfer.engine.model_runner import ModelRunner
@@ -53,8 +52,7 @@ class InstanceContext:
         FIFO threads never preempt each other: a message queued just before a forward would leave only when the
         forward ends, tens of ms later. ``sched_yield`` puts the loop behind the runnable I/O thread for one turn
         (a no-op when nothing else is runnable). Under the normal scheduler the I/O thread preempts on wake-up."""
-        if is_realtime():
-            os.sched_yield()
+        yield_if_realtime()
 
     def flush_outbox(self) -> None:
         """Send the streamed items collected so far to the front end now (the loop also flushes after every
