@@ -72,7 +72,8 @@ def test_the_pool_reuses_least_recently_freed_blocks_first_and_forgets_their_nam
     kv.free_request("old")
     cache = kv.prefix_cache
     assert cache is not None and cache.num_cached_blocks == 3
-    # 2 never-used blocks go first, then the old request's tail (freed first), its head last.
+    # The unnamed partial block goes first, then the 2 never-used ones, then the old request's named blocks: its
+    # tail (freed first), its head last.
     assert kv.allocate_slots("filler", 3 * BS)
     assert cache.num_cached_blocks == 3  # the partial block had no name; the full ones survive
     assert kv.allocate_slots("filler", 4 * BS)  # one more: the old request's last full block

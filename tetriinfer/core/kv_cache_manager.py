@@ -7,7 +7,8 @@ Owns the mapping request id -> list of block ids. A request's table covers token
 With ``enable_prefix_caching`` (``core.prefix_cache``), a request about to be prefilled first takes the longest
 cached run of full blocks that hold exactly its leading tokens (``match_prefix``: shared, reference-counted, never
 written), and a scheduler names its newly full computed blocks after each step (``cache_computed``) so later
-requests find them. A freed named block keeps its K/V until the pool reuses it (least recently freed first).
+requests find them. A freed named block keeps its K/V until the pool reuses it (after every unnamed free block;
+least recently freed first).
 
 Invariants: every block in some table is used in the pool, and its reference count is the number of tables that
 hold it (a block is in two tables only when it is a shared cached prefix block); ``free_request`` drops each of a
@@ -35,6 +36,7 @@ class KVCacheManager:
         if enable_prefix_caching:
             self.prefix_cache = PrefixCache()
             self.pool.on_reuse = self.prefix_cache.forget_block
+            self.pool.is_cached = self.prefix_cache.is_named
 
     @property
     def block_size(self) -> int:

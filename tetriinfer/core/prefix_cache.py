@@ -7,7 +7,8 @@ on every token before it too. SHA-256 makes a false match (another prefix's K/V 
 unlike a 64-bit ``hash()``.
 
 This module owns the name <-> block maps and the hit counters; the ``BlockPool`` owns reference counts and the
-least-recently-freed queue, and tells ``forget_block`` when it reuses a cached block for other tokens.
+free tiers (named free blocks: least recently freed reused first, after every unnamed one), and tells
+``forget_block`` when it reuses a cached block for other tokens.
 
 Invariants: the two maps are inverse bijections; a name maps to a block that holds exactly the tokens the name
 was made from (callers register a block only once its K/V are computed, and only the pool's reuse changes a
@@ -80,6 +81,9 @@ class PrefixCache:
         digest = self._name_of.pop(block, None)
         if digest is not None:
             del self._block_of[digest]
+
+    def is_named(self, block: int) -> bool:
+        return block in self._name_of
 
     def name_of(self, block: int) -> bytes | None:
         return self._name_of.get(block)

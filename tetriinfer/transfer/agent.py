@@ -198,8 +198,15 @@ class ZmqAgent:
         return self._arena.alloc(shape, dtype)
 
     def alloc_like(self, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Buffer]:
-        """`[alloc(s, dtype) for s in shapes]`, e.g. the 2 * num_layers KV staging tensors of one request."""
-        return [self.alloc(s, dtype) for s in shapes]
+        """`[alloc(s, dtype) for s in shapes]`, e.g. the 2 * num_layers KV staging tensors of one request; on shm
+        carved from one arena allocation (`ShmArena.alloc_many`)."""
+        self._check_running()
+        if self._stager is None:
+            return [plain_alloc(s, dtype) for s in shapes]
+        with self._arena_lock:
+            if self._arena is None:
+                self._arena = ShmArena(f"{self._stager.tag}arena-", **self._arena_opts)  # type: ignore[arg-type]
+        return self._arena.alloc_many(shapes, dtype)
 
     def _advertise_locked(self, region: _Region) -> None:
         """Give a region whose slots lie in our arena a fence word and a DirectTarget (caller holds the lock)."""

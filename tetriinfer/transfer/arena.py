@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -138,21 +139,39 @@ class ShmArena:
 
     def alloc(self, shape: tuple[int, ...] | list[int], dtype: Any) -> Any:
         """An arena-backed array: a torch tensor if `dtype` is a torch dtype, else a numpy array."""
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"shape must be non-negative, got {shape}")
-        count = int(np.prod(shape, dtype=np.int64))
-        if type(dtype).__module__.split(".")[0] == "torch":
+        return self.alloc_many([shape], dtype)[0]
+
+    def alloc_many(self, shapes: Sequence[Sequence[int]], dtype: Any) -> list[Any]:
+        """``[alloc(s, dtype) for s in shapes]`` carved from one allocation (each piece page-aligned): one lock,
+        placement and finalizer for e.g. a request's 2 * num_layers KV staging tensors instead of one each. The
+        memory returns to the arena when the last view of any piece is gone."""
+        dims = [tuple(int(x) for x in s) for s in shapes]
+        if any(x < 0 for s in dims for x in s):
+            raise ValueError(f"shapes must be non-negative, got {dims}")
+        torch_dtype = type(dtype).__module__.split(".")[0] == "torch"
+        if torch_dtype:
             import torch
 
             itemsize = torch.empty((), dtype=dtype).element_size()
-            raw = self.alloc_bytes(count * itemsize)
-            return torch.from_numpy(raw).view(dtype).view(shape)
-        np_dtype = np.dtype(dtype)
-        if np_dtype.hasobject:
-            raise ValueError("object dtypes cannot live in shared memory")
-        raw = self.alloc_bytes(count * np_dtype.itemsize)
-        return raw.view(np_dtype).reshape(shape)
+        else:
+            np_dtype = np.dtype(dtype)
+            if np_dtype.hasobject:
+                raise ValueError("object dtypes cannot live in shared memory")
+            itemsize = np_dtype.itemsize
+        sizes = [int(np.prod(s, dtype=np.int64)) * itemsize for s in dims]
+        starts, total = [], 0
+        for n in sizes:
+            starts.append(total)
+            total += _round_up(max(n, 1), ALIGN)
+        raw = self.alloc_bytes(total)
+        out = []
+        for shape, start, n in zip(dims, starts, sizes, strict=True):
+            piece = raw[start : start + n]
+            if torch_dtype:
+                out.append(torch.from_numpy(piece).view(dtype).view(shape))
+            else:
+                out.append(piece.view(np_dtype).reshape(shape))
+        return out
 
     def _place_locked(self, size: int) -> tuple[_ArenaSegment, int]:
         for seg in self._segs.values():
