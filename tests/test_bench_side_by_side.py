@@ -348,6 +348,37 @@ def test_rounds_rotate_the_column_order_and_pool_every_request(monkeypatch: pyte
     assert "## Change vs colocated within each round" in sbs.markdown_report(result)
 
 
+def test_keep_servers_starts_each_column_once_and_keeps_all_up_through_every_round(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    speeds = {"colocated": (0.06, 0.004), "tetriinfer": (0.02, 0.002)}
+    SERVERS.clear()
+    started = fake_servers(monkeypatch, speeds)
+    live_at_each_run: list[int] = []
+    run_column = sbs.SideBySide._run_column
+
+    def counting(self: sbs.SideBySide, column: sbs.Column, url: str, ours: bool) -> None:
+        live_at_each_run.append(sum(srv.thread.is_alive() for _, srv in SERVERS))
+        run_column(self, column, url, ours)
+
+    monkeypatch.setattr(sbs.SideBySide, "_run_column", counting)
+    cols = sbs.parse_columns("tetriinfer,colocated", [], [])
+    cfg = sbs.SideBySideConfig(
+        str(tmp_path), ("lpld",), cols, num_requests=4, probe_requests=4, probe_concurrency=2,
+        max_prompt_tokens=300, max_output_tokens=12, progress=False, rounds=3, keep_servers=True,
+    )
+    result, raw = sbs.SideBySide(cfg, "test").run()
+    assert [m for m, _ in started] == ["colocated", "tetriinfer"]  # once each, however many rounds
+    assert live_at_each_run == [2] * 6  # 3 rounds x 2 columns, both servers up at every one
+    assert not any(srv.thread.is_alive() for _, srv in SERVERS)  # all stopped at the end
+    assert result["meta"]["keep_servers"] is True
+    for label in ("tetriinfer", "colocated"):
+        assert result["workloads"]["lpld"][label]["completed"] == 12
+        assert result["workloads"]["lpld"][label]["resource_s"] > 3 * 4 * speeds[label][0]
+    ch = result["meta"]["round_changes"]["lpld"]["tetriinfer"]
+    assert len(ch["ttft"]) == 3 and all(v < 0 for v in ch["ttft"])
+    assert "(se)" in sbs.markdown_report(result)
+
+
 def test_prefix_cache_hits_from_server_metrics_are_summed_over_rounds(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path: Path) -> None:
     fake_servers(monkeypatch, {"colocated": (0.02, 0.002), "tetriinfer": (0.02, 0.002, 40)})
@@ -381,7 +412,8 @@ def test_round_changes_pair_rounds_by_suffix() -> None:
     assert ch["tetriinfer"]["ttft"] == pytest.approx([-0.5, 0.5])
     assert ch["tetriinfer"]["jct"] == pytest.approx([-0.5, -0.5])
     table = sbs.round_changes_table({"meta": {"round_changes": {"mixed": ch}}})
-    assert "| mixed | tetriinfer | -50% +50% | +0.0% +- 70.7 | -50% -50% | -50.0% +- 0.0 |" in table
+    # standard error = sd / sqrt(rounds): 70.7 / sqrt(2) = 50.0
+    assert "| mixed | tetriinfer | -50% +50% | +0.0% +- 70.7 (50.0) | -50% -50% | -50.0% +- 0.0 (0.0) |" in table
     assert sbs.round_changes({"tetriinfer": cell["tetriinfer"]}) == {}
 
 

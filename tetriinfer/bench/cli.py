@@ -336,6 +336,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         progress=not args.no_progress,
         rounds=args.rounds,
+        keep_servers=args.keep_servers,
         floor=not args.no_floor,
         client_transport=args.client_transport,
         client_rt_priority=args.client_rt_priority,
@@ -394,6 +395,10 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--rounds", type=int, default=1,
                    help="run every column this many times (the same requests each round; column order rotated so "
                         "no mode always runs last on a drifting machine); cells pool every round's requests")
+    p.add_argument("--keep-servers", action="store_true",
+                   help="start every column's server once and keep all of them up through every round (idle but "
+                        "for the column being measured): no restart per round, so many short rounds (e.g. -n 48 "
+                        "--rounds 12) alternate the columns every few seconds and a drifting machine averages out")
     p.add_argument("--no-floor", "--no-ttft-floor", dest="no_floor", action="store_true",
                    help="skip the floor (each workload's requests once more on colocated, one at a time: the TTFT "
                         "and JCT each gets alone, i.e. how much of a column's TTFT and JCT is waiting)")

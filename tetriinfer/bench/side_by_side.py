@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -141,6 +141,10 @@ class SideBySideConfig:
     floor: bool = True  # measure each workload's requests alone on the baseline (TTFT/JCT floors, measure_floor)
     client_transport: str = "raw"  # the load client's transport (bench.client.ClientConfig.transport)
     client_rt_priority: int | None = None  # the load client under SCHED_FIFO (bench.client.run_client)
+    # Start every local column's server once, before round 1, and keep them all up (idle but for the column being
+    # measured) until the end: rounds then cost no server start, so many short rounds alternate the columns every
+    # few seconds and a drifting machine averages out of the paired comparison.
+    keep_servers: bool = False
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -394,13 +398,15 @@ def round_changes_table(result: dict[str, Any]) -> str:
     rows = [(cell, label, ch) for cell, cols in changes.items() for label, ch in cols.items() if len(ch["ttft"]) > 1]
     if not rows:
         return ""
-    out = ["| workload | column | TTFT change per round | TTFT mean +- sd | JCT change per round | JCT mean +- sd |",
-           "|---|---|---|---:|---|---:|"]
+    out = ["| workload | column | TTFT change per round | TTFT mean +- sd (se) | JCT change per round "
+           "| JCT mean +- sd (se) |", "|---|---|---|---:|---|---:|"]
     for cell, label, ch in rows:
         cols = []
         for key in ("ttft", "jct"):
             m, sd = _mean_sd(ch[key])
-            cols += [" ".join(f"{v * 100:+.0f}%" for v in ch[key]), f"{m * 100:+.1f}% +- {sd * 100:.1f}"]
+            se = sd / math.sqrt(len(ch[key]))
+            cols += [" ".join(f"{v * 100:+.0f}%" for v in ch[key]),
+                     f"{m * 100:+.1f}% +- {sd * 100:.1f} ({se * 100:.1f})"]
         out.append(f"| {cell} | {label} | " + " | ".join(cols) + " |")
     return "\n".join(out)
 
@@ -568,8 +574,8 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
         lines += [
             "", "## Change vs colocated within each round", "",
             "Every round runs the same requests (column order rotated); the change of each column's mean TTFT and "
-            "JCT against colocated in the same round, then their mean and standard deviation over rounds: the spread "
-            "says how much of a difference this machine can resolve.", "",
+            "JCT against colocated in the same round, then their mean, standard deviation and standard error (sd / "
+            "sqrt(rounds)) over rounds: the spread says how much of a difference this machine can resolve.", "",
             rounds_table,
         ]
     table = floor_table(result)
@@ -920,19 +926,24 @@ class SideBySide:
             self._workload(name, min(c.num_requests, 4), c.rate or 1.0, c.seed)
         ordered = c.ordered_columns()
         schedule = [col for r in range(c.rounds) for col in (ordered[r % len(ordered):] + ordered[:r % len(ordered)])]
-        for column in schedule:  # round 1 starts with the baseline (its probe sets the rates); later rounds rotate
-            if column.external:
-                assert column.url is not None
-                self._run_column(column, column.url, ours=False)
-                continue
+
+        def start(stack: ExitStack, column: Column) -> str:
             assert column.mode is not None
-            args = [
-                *layout_args(column.mode, c.instances, c.prefill_instances),
-                "--kv-cache-memory-gb", str(c.kv_cache_memory_gb),
-                *column.serve_args,
-            ]
-            with serve(c.model, column.mode, args, c.startup_timeout_s) as url:
-                self._run_column(column, url, ours=True)
+            args = [*layout_args(column.mode, c.instances, c.prefill_instances),
+                    "--kv-cache-memory-gb", str(c.kv_cache_memory_gb), *column.serve_args]
+            return stack.enter_context(serve(c.model, column.mode, args, c.startup_timeout_s))
+
+        with ExitStack() as kept:
+            urls = {col.label: start(kept, col) for col in ordered if not col.external} if c.keep_servers else {}
+            for column in schedule:  # round 1 starts with the baseline (its probe sets the rates); later rounds rotate
+                if column.external:
+                    assert column.url is not None
+                    self._run_column(column, column.url, ours=False)
+                elif column.label in urls:
+                    self._run_column(column, urls[column.label], ours=True)
+                else:
+                    with ExitStack() as one:
+                        self._run_column(column, start(one, column), ours=True)
         machine["loadavg_end"] = _loadavg()
         order = [col.label for col in c.columns]
         cells = {wl: {lab: row[lab] for lab in order if lab in row} for wl, row in self.cells.items()}
@@ -966,6 +977,7 @@ class SideBySide:
             "probe_requests": c.probe_requests,
             "probe_concurrency": c.probe_concurrency,
             "rounds": c.rounds,
+            "keep_servers": c.keep_servers,
             "arrival": c.arrival,
             "rates": dict(self.rates),
             "caps": {
