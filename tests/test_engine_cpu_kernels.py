@@ -253,8 +253,9 @@ def test_prefill_attention_rejects_what_it_cannot_run() -> None:
 @needs_avx512
 def test_bf16_prefill_takes_the_native_attention_and_generates_as_torch_does(monkeypatch: pytest.MonkeyPatch,
                                                                            tmp_path: Path) -> None:
-    """bf16 prefill segments (a first chunk and a continuation chunk) go through the kernel on this CPU, and greedy
-    generations agree with the kernel off until a near-tie (as for the decode kernels)."""
+    """bf16 prefill segments (a first chunk and a continuation chunk) go through the kernel where the routing wants
+    it (CPUs without AMX; on AMX CPUs oneDNN's attention is kept and the kernel is never called), and with the
+    kernel forced on, greedy generations agree with the kernel off until a near-tie (as for the decode kernels)."""
     import tetriinfer.engine.attention as attention
     from tetriinfer import LLM, SamplingParams
     from tetriinfer.engine.make_model import default_model_path
@@ -269,6 +270,10 @@ def test_bf16_prefill_takes_the_native_attention_and_generates_as_torch_does(mon
         llm = LLM(model=str(default_model_path()), dtype="bfloat16", chunk_size=32)
         prompt = [5 + (7 * i) % 900 for i in range(50)]  # two chunks: 32 + 18 tokens
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert bool(calls) == attention.bf16_decode_wants_native_kernels(), calls  # the routing as declared
+        calls.clear()
+        monkeypatch.setattr(attention, "bf16_decode_wants_native_kernels", lambda: True)
         on = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
         assert 0 in calls and 32 in calls  # the first chunk and the continuation both took the kernel
         monkeypatch.setattr(attention, "_use_prefill_kernel", lambda q, k: False)
@@ -296,23 +301,26 @@ def test_avx512_bf16_kernels_need_every_flag_and_have_their_own_switch(tmp_path:
 
 
 @needs_kernel
-@pytest.mark.parametrize("wants_native", [True, False])
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("avx512", [True, False])
 def test_bf16_decode_routing_on_cpus_with_bf16_instructions(monkeypatch: pytest.MonkeyPatch,
-                                                            wants_native: bool, avx512: bool) -> None:
-    """With bf16 instructions (cpu_has_native), few-row bf16 matmuls and bf16 decode attention take the native
-    kernels exactly when `bf16_decode_wants_native_kernels` says so (no AMX): the AVX-512 BF16 matmul up to
-    GEMM_BF16_AVX512_MAX_ROWS rows where it is built, else the AVX2 one up to GEMV_BF16_NATIVE_CPU_MAX_ROWS;
-    prefill-sized matmuls never do."""
+                                                            amx: bool, avx512: bool) -> None:
+    """With bf16 instructions (cpu_has_native), few-row bf16 matmuls take a native kernel up to
+    `bf16_native_matmul_max_rows()` rows: the AVX-512 BF16 one where it is built (GEMM_BF16_AVX512_MAX_ROWS rows
+    without AMX, GEMM_BF16_AVX512_MAX_ROWS_AMX with it), else the AVX2 one up to GEMV_BF16_NATIVE_CPU_MAX_ROWS (never
+    on AMX CPUs); bigger matmuls never do, and results match torch's either way. bf16 decode attention takes the
+    native kernel on every CPU (AMX included)."""
     import tetriinfer.engine.attention as attention
     import tetriinfer.engine.models.layers as layers
 
     if avx512 and not cpu_kernels.avx512_bf16_available():
         pytest.skip("no AVX-512 BF16 CPU here: the AVX-512 route cannot run")
     monkeypatch.setattr(layers, "cpu_has_native", lambda dtype: True)
-    monkeypatch.setattr(layers, "bf16_decode_wants_native_kernels", lambda: wants_native)
-    monkeypatch.setattr(attention, "bf16_decode_wants_native_kernels", lambda: wants_native)
+    monkeypatch.setattr(layers, "cpu_has_amx", lambda: amx)
     monkeypatch.setattr(layers, "avx512_bf16_available", lambda: avx512)
+    limit = {(False, True): layers.GEMM_BF16_AVX512_MAX_ROWS, (True, True): layers.GEMM_BF16_AVX512_MAX_ROWS_AMX,
+             (False, False): layers.GEMV_BF16_NATIVE_CPU_MAX_ROWS, (True, False): 0}[(amx, avx512)]
+    assert layers.bf16_native_matmul_max_rows() == limit
     calls: list[int] = []
     calls512: list[int] = []
     monkeypatch.setattr(layers, "gemv", lambda x, w, b: calls.append(x.shape[0]) or cpu_kernels.gemv(x, w, b))
@@ -321,25 +329,23 @@ def test_bf16_decode_routing_on_cpus_with_bf16_instructions(monkeypatch: pytest.
     lin = Linear(48, 20, bias=True).to(torch.bfloat16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    few, most = layers.GEMV_BF16_NATIVE_CPU_MAX_ROWS, layers.GEMM_BF16_AVX512_MAX_ROWS
+    all_rows = sorted({1, 2, layers.GEMV_BF16_NATIVE_CPU_MAX_ROWS + 1, layers.GEMM_BF16_AVX512_MAX_ROWS_AMX,
+                       layers.GEMM_BF16_AVX512_MAX_ROWS_AMX + 1, layers.GEMM_BF16_AVX512_MAX_ROWS,
+                       layers.GEMM_BF16_AVX512_MAX_ROWS + 1})
     try:
         with torch.inference_mode():
-            for rows in (1, few, few + 1, most, most + 1):
+            for rows in all_rows:
                 x = torch.randn(rows, 48).bfloat16()
                 got = lin(x)
                 want = reference(x, lin.weight, lin.bias).float()
                 assert bool(((got.float() - want).abs() <= want.abs().clamp_min(1e-2) * 2.0**-6).all())
             q = torch.randn(2, 4, 16).bfloat16()
-            assert attention._use_decode_kernel(q, torch.zeros(8, 2, 16, dtype=torch.bfloat16)) is wants_native
+            assert attention._use_decode_kernel(q, torch.zeros(8, 2, 16, dtype=torch.bfloat16))
             assert attention._use_decode_kernel(q.float(), torch.zeros(8, 2, 16))  # fp32: always native
     finally:
         torch.set_num_threads(threads)
-    if not wants_native:
-        assert calls == calls512 == []
-    elif avx512:
-        assert (calls, calls512) == ([], [1, few, few + 1, most])
-    else:
-        assert (calls, calls512) == ([1, few], [])
+    native = [r for r in all_rows if r <= limit]
+    assert (calls, calls512) == (([], native) if avx512 else (native, []))
 
 
 def test_kernels_can_be_turned_off_and_a_missing_compiler_falls_back(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetriinfer.engine import cpu_kernels
-from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, cpu_has_native
+from tetriinfer.engine.cpu_info import cpu_has_amx, cpu_has_native
 from tetriinfer.engine.cpu_kernels import (
     MAX_ROWS,
     avx512_bf16_available,
@@ -32,6 +32,12 @@ GEMV_BF16_NATIVE_CPU_MAX_ROWS = 4
 # without AMX): on Zen 4 it ran the tiny llama's decode matmuls 3.3-3.6x faster than oneDNN at 1-8 rows, 2.3x at 16,
 # 1.13x at 64 and at parity at 96 (one core, benchmarks/bench_decode_kernels.py has the whole steps).
 GEMM_BF16_AVX512_MAX_ROWS = 64
+# On CPUs with AMX, oneDNN's bf16 GEMM runs on the tiles with ~57 us of fixed cost per call and almost no cost per
+# row up to 16 rows; the AVX-512 BF16 kernel still wins below that: on a Sapphire Rapids core, the tiny llama's 33
+# decode matmuls alone took 0.84 / 1.43 / 2.03 ms native against 2.33 / 2.39 / 2.38 ms oneDNN at 1 / 4 / 6 rows, and
+# whole decode steps were fastest with this threshold (B = 8 / 10 / 12: 6.4 / 7.6 / 8.5 ms, against 7.4 / 9.1 / 8.8
+# ms with 6; benchmarks/bench_decode_kernels.py).
+GEMM_BF16_AVX512_MAX_ROWS_AMX = 10
 # RMSNorm and RoPE of at most this many tokens (decode steps) use the fused native kernels; prefill chunks keep
 # torch's vectorized ops, which win on many rows.
 FUSED_MAX_ROWS = 64
@@ -55,8 +61,8 @@ class Linear(nn.Linear):
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
     `tetriinfer.engine.cpu_kernels` when it is available and the engine runs one torch thread; fp32 matmuls of at
     most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions; on CPUs with bf16
-    instructions but no AMX, bf16 matmuls of at most GEMM_BF16_AVX512_MAX_ROWS rows take the AVX-512 BF16 kernel
-    (where it is built), else those of at most GEMV_BF16_NATIVE_CPU_MAX_ROWS rows the AVX2 one. Same arithmetic as
+    instructions, bf16 matmuls of at most `bf16_native_matmul_max_rows()` rows take the AVX-512 BF16 kernel (where
+    it is built; fewer rows on AMX CPUs), else the AVX2 one (not on AMX CPUs). Same arithmetic as
     torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
     CUDA is untouched."""
 
@@ -71,13 +77,21 @@ class Linear(nn.Linear):
                     return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
                 if use_gemv(x, self.weight):
                     return gemv(x.contiguous(), self.weight, self.bias)
-            elif (x.dtype == torch.bfloat16 and x.shape[0] <= GEMM_BF16_AVX512_MAX_ROWS
-                  and bf16_decode_wants_native_kernels() and use_gemv(x, self.weight)):
+            elif (x.dtype == torch.bfloat16 and x.shape[0] <= bf16_native_matmul_max_rows()
+                  and use_gemv(x, self.weight)):
                 if avx512_bf16_available():
                     return gemm_bf16_avx512(x.contiguous(), self.weight, self.bias)
-                if x.shape[0] <= GEMV_BF16_NATIVE_CPU_MAX_ROWS:
-                    return gemv(x.contiguous(), self.weight, self.bias)
+                return gemv(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def bf16_native_matmul_max_rows() -> int:
+    """The most rows a bf16 matmul may have to take a native kernel on a CPU with bf16 instructions: the AVX-512 BF16
+    kernel up to GEMM_BF16_AVX512_MAX_ROWS rows without AMX (GEMM_BF16_AVX512_MAX_ROWS_AMX with AMX, where oneDNN's
+    tile GEMM wins sooner), else the AVX2 kernel up to GEMV_BF16_NATIVE_CPU_MAX_ROWS (never on AMX CPUs: 0)."""
+    if avx512_bf16_available():
+        return GEMM_BF16_AVX512_MAX_ROWS_AMX if cpu_has_amx() else GEMM_BF16_AVX512_MAX_ROWS
+    return 0 if cpu_has_amx() else GEMV_BF16_NATIVE_CPU_MAX_ROWS
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
