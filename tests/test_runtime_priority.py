@@ -19,6 +19,16 @@ from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.runtime.instance_spec import InstanceSpec
 from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
 
+
+def _assert_streams_a_completion(srv: ServeProcess) -> None:
+    model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", timeout=120,
+                      json={"model": model, "prompt": "Hello there", "max_tokens": 5, "ignore_eos": True,
+                            "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 6
+
+
 linux_only = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice values need Linux /proc")
 
 
@@ -252,12 +262,7 @@ def test_a_real_time_front_end_and_prefill_instance_each_keep_their_own_policy_a
         want_prefill = (os.SCHED_FIFO, 7) if allowed else (os.SCHED_OTHER, 0)
         assert set(priority.thread_policies(pids["prefill"]).values()) == {want_prefill}
         assert set(priority.thread_policies(pids["decode"]).values()) == {(os.SCHED_OTHER, 0)}
-        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        with httpx.stream("POST", f"{srv.base_url}/v1/completions", timeout=120,
-                          json={"model": model, "prompt": "Hello there", "max_tokens": 5, "ignore_eos": True,
-                                "stream": True}) as r:
-            events = [line for line in r.iter_lines() if line.startswith("data:")]
-        assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 6
+        _assert_streams_a_completion(srv)
     finally:
         assert srv.stop() == 0
 
@@ -332,3 +337,80 @@ def test_a_real_time_loop_that_yields_lets_its_queued_message_leave_before_a_lon
         return
     assert res["why_not"] is None
     assert res["seen_during_spin"] is yields
+
+
+def test_core_lists_parse_and_bad_ones_are_refused() -> None:
+    assert priority.parse_cores("0") == (0,)
+    assert priority.parse_cores("1,0,1") == (0, 1)
+    ncpu = os.cpu_count() or 1
+    assert priority.parse_cores(f"0-{ncpu - 1}") == tuple(range(ncpu))
+    for bad in ("", "a", "0,", "1-0", "-1", "0-x"):
+        with pytest.raises(ValueError):
+            priority.parse_cores(bad)
+    with pytest.raises(ValueError, match="do not exist"):
+        priority.parse_cores(str(ncpu))
+    out = subprocess.run([sys.executable, "-m", "tetriinfer.cli", "serve", "--frontend-cores", "0-"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "cores must be a list" in out.stderr
+
+
+@linux_only
+def test_every_thread_is_pinned_and_later_threads_inherit_the_cores() -> None:
+    """In a child process: threads made before the call move with the calling one, a thread made after inherits."""
+    code = textwrap.dedent("""
+        import os, threading, json
+        from tetriinfer.runtime.priority import set_process_affinity, thread_affinities
+        stop = threading.Event()
+        before = [threading.Thread(target=stop.wait) for _ in range(2)]
+        for t in before: t.start()
+        why_not = set_process_affinity((0,))
+        after = threading.Thread(target=stop.wait); after.start()
+        print(json.dumps({"why_not": why_not,
+                          "cores": {t: sorted(c) for t, c in thread_affinities(os.getpid()).items()}}))
+        stop.set()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    got = __import__("json").loads(out.stdout)
+    assert got["why_not"] is None
+    assert len(got["cores"]) >= 4 and all(c == [0] for c in got["cores"].values()), got
+
+
+@linux_only
+def test_the_load_client_runs_on_its_cores_and_gets_its_mask_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ClientConfig.cores``: the run happens on those cores (seen from inside the client's run) and the process
+    has its previous mask again afterwards."""
+    from tetriinfer.bench import client as bench_client
+    from tetriinfer.bench.workloads import Workload
+
+    seen: list[set[int]] = []
+
+    async def fake_run(self: object, workload: Workload) -> tuple[list, float, None]:
+        seen.append(os.sched_getaffinity(0))
+        return [], 0.0, None
+
+    monkeypatch.setattr(bench_client.BenchmarkClient, "run", fake_run)
+    before = os.sched_getaffinity(0)
+    cfg = bench_client.ClientConfig(base_url="http://127.0.0.1:9", model="m", cores=(0,), server_usage=False)
+    bench_client.run_client(cfg, Workload(name="empty", requests=(), source="test", arrival_process="none",
+                                          rate=None, seed=0))
+    assert seen == [{0}] and os.sched_getaffinity(0) == before
+    with pytest.raises(ValueError, match="cores"):
+        bench_client.ClientConfig(base_url="http://127.0.0.1:9", model="m", cores=())
+
+
+@linux_only
+def test_a_pinned_front_end_keeps_its_cores_and_the_instances_keep_theirs(tiny_llama: Path) -> None:
+    """A real 1 prefill + 1 decode server with --frontend-cores 0: every front-end thread runs on core 0 once it has
+    started; the instances it spawned before that run on their own cores (prefill 0, decode 1 on a 2-core machine);
+    streamed completions come back."""
+    ncpu = os.cpu_count() or 1
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--frontend-cores", "0")
+    try:
+        info = srv.cluster()["instances"]
+        front = priority.thread_affinities(srv.proc.pid)
+        assert set(front.values()) == {frozenset({0})}, front
+        for i, inst in enumerate(sorted(info, key=lambda x: x["role"] != "prefill")):
+            assert set(priority.thread_affinities(inst["pid"]).values()) == {frozenset({i % ncpu})}, inst
+        _assert_streams_a_completion(srv)
+    finally:
+        assert srv.stop() == 0

@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from tetriinfer.bench.workloads import CLASS_NAMES
+from tetriinfer.runtime.priority import parse_cores
 
 
 def _rate(text: str) -> float | None:
@@ -168,6 +169,9 @@ def _add_run_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="run the load client under SCHED_FIFO at priority N for the run (1..99; needs root or "
                    "CAP_SYS_NICE), so that on a machine it shares with the server it records tokens as they arrive "
                    "instead of after an engine step that ran on its core. Default: off")
+    s.add_argument("--client-cores", default=None, metavar="LIST",
+                   help="pin the load client to these CPU cores for the run (e.g. '0'): on a machine it shares "
+                   "with the server, keep it off the cores whose steps it measures. Default: unpinned")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     s.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput (ms)")
     s.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput (ms)")
@@ -212,6 +216,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         server_usage=not args.no_server_usage,
         transport=args.client_transport,
         rt_priority=args.client_rt_priority,
+        cores=parse_cores(args.client_cores) if args.client_cores is not None else None,
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)
@@ -340,6 +345,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         floor=not args.no_floor,
         client_transport=args.client_transport,
         client_rt_priority=args.client_rt_priority,
+        client_cores=parse_cores(args.client_cores) if args.client_cores is not None else None,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -426,6 +432,9 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="run the load client under SCHED_FIFO at priority N for the run (1..99; needs root or "
                    "CAP_SYS_NICE), so that on a machine it shares with the server it records tokens as they arrive "
                    "instead of after an engine step that ran on its core. Default: off")
+    p.add_argument("--client-cores", default=None, metavar="LIST",
+                   help="pin the load client to these CPU cores for the run (e.g. '0'): on a machine it shares "
+                   "with the server, keep it off the cores whose steps it measures. Default: unpinned")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="per instance")
     p.add_argument("--out", required=True, help="results JSON")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -41,7 +42,7 @@ from tetriinfer.bench.metrics import SLO, RequestRecord, summarize
 from tetriinfer.bench.server_usage import scrape_settled, usage_between
 from tetriinfer.bench.sse_transport import Endpoint, RemoteProtocolError, post_stream
 from tetriinfer.bench.workloads import Workload, WorkloadRequest, with_max_context
-from tetriinfer.runtime.priority import apply_realtime, check_rt_priority
+from tetriinfer.runtime.priority import apply_affinity, apply_realtime, check_rt_priority
 
 _BASE_TEXT = (
     "The river bends twice before it reaches the old mill, and in late summer the water runs low enough "
@@ -79,6 +80,7 @@ class ClientConfig:
     server_usage: bool = True  # read the server's /metrics before and after the run (bench.server_usage)
     transport: str = "raw"  # "raw": bench.sse_transport (lean, the default); "httpx": httpx's streaming client
     rt_priority: int | None = None  # run the client under SCHED_FIFO at this priority for the run (run_client)
+    cores: tuple[int, ...] | None = None  # pin the client to these CPU cores for the run (run_client)
 
 
     def __post_init__(self) -> None:
@@ -101,6 +103,8 @@ class ClientConfig:
             )
         if self.rt_priority is not None:
             check_rt_priority(self.rt_priority)
+        if self.cores is not None and (not self.cores or min(self.cores) < 0):
+            raise ValueError(f"cores must be a non-empty list of core numbers, got {self.cores}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
@@ -411,15 +415,22 @@ def run_client(
     With ``config.rt_priority`` the calling process runs under ``SCHED_FIFO`` for the run (``SCHED_RESET_ON_FORK``:
     nothing it starts inherits it) and goes back to the normal scheduler after: a load client that shares cores
     with the server it measures then records each token when it arrives, not after an engine's forward that
-    happened to run on its core. Without the privilege it warns and runs as it is."""
+    happened to run on its core. Without the privilege it warns and runs as it is.
+
+    With ``config.cores`` the calling process runs on those cores for the run and gets its previous mask back
+    after: on a CPU testbed, the client can then stay off the cores of the instances it measures."""
     realtime = config.rt_priority is not None and apply_realtime(config.rt_priority, "load client",
                                                                  reset_on_fork=True)
+    previous_cores = tuple(sorted(os.sched_getaffinity(0))) if config.cores is not None else None
+    pinned = apply_affinity(config.cores, "load client")
     try:
         with asyncio.Runner(loop_factory=loop_factory or uvloop.new_event_loop) as runner:
             return runner.run(BenchmarkClient(config).run(workload))
     finally:
         if realtime:
             apply_realtime(None, "load client")
+        if pinned and previous_cores is not None:
+            apply_affinity(previous_cores, "load client")
 
 
 def run_benchmark(

@@ -141,6 +141,7 @@ class SideBySideConfig:
     floor: bool = True  # measure each workload's requests alone on the baseline (TTFT/JCT floors, measure_floor)
     client_transport: str = "raw"  # the load client's transport (bench.client.ClientConfig.transport)
     client_rt_priority: int | None = None  # the load client under SCHED_FIFO (bench.client.run_client)
+    client_cores: tuple[int, ...] | None = None  # the load client pinned to these cores (bench.client.run_client)
     # Start every local column's server once, before round 1, and keep them all up (idle but for the column being
     # measured) until the end: rounds then cost no server start, so many short rounds alternate the columns every
     # few seconds and a drifting machine averages out of the paired comparison.
@@ -531,7 +532,8 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
     transport = meta.get("client_transport", "httpx")  # reports from before the raw transport used httpx
     rt = meta.get("client_rt_priority")
     lines.append(f"- Load client: `tetriinfer bench`, {transport} transport" + (" on uvloop" if transport == "raw" else "")
-                 + (f", under SCHED_FIFO priority {rt}" if rt is not None else "") + ".")
+                 + (f", under SCHED_FIFO priority {rt}" if rt is not None else "")
+                 + (f", pinned to cores {meta['client_cores']}" if meta.get("client_cores") else "") + ".")
     lines.append(
         f"- Layout: {meta.get('instances', '?')} instances, one core each; disaggregated modes use "
         f"{meta.get('prefill_instances', '?')} prefill + "
@@ -778,6 +780,7 @@ class SideBySide:
             "progress": c.progress,
             "transport": c.client_transport,
             "rt_priority": c.client_rt_priority,
+            "cores": c.client_cores,
         }
 
     def _bench(self, url: str, model: str, column: Column, workload: Workload, **extra: Any) -> dict[str, Any]:
@@ -958,6 +961,7 @@ class SideBySide:
             "prefill_instances": c.prefill_instances,
             "client_transport": c.client_transport,
             "client_rt_priority": c.client_rt_priority,
+            "client_cores": list(c.client_cores) if c.client_cores is not None else None,
             "columns": [
                 {
                     "label": col.label,

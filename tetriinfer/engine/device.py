@@ -9,6 +9,21 @@ import torch
 from tetriinfer.allocator import tune_cpu_allocator
 
 
+def _pin_every_thread(cores: set[int]) -> None:
+    """Confine every thread of this process to ``cores``: ``sched_setaffinity(0)`` moves only the calling thread,
+    and a process has threads before it gets here (one made at start-up ran on every core of the machine, next to
+    the pinned engines). Threads made later inherit the mask."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
 def configure_device(device: str, num_threads: int | None, cpu_cores: tuple[int, ...] | None) -> None:
     """Pin this process to ``cpu_cores`` and set torch's intra-op threads (one engine per core stands in
     for one accelerator on CPU machines)."""
@@ -19,7 +34,7 @@ def configure_device(device: str, num_threads: int | None, cpu_cores: tuple[int,
         bad = [c for c in cpu_cores if c not in available and c >= (os.cpu_count() or 1)]
         if bad:
             raise ValueError(f"cpu cores {bad} do not exist (this machine has {os.cpu_count()})")
-        os.sched_setaffinity(0, set(cpu_cores))
+        _pin_every_thread(set(cpu_cores))
         if num_threads is None:
             num_threads = len(cpu_cores)
     if num_threads is not None:

@@ -1,5 +1,5 @@
-"""CPU scheduling priority of the serving processes (``--instance-nice``, ``--frontend-nice``,
-``--prefill-rt-priority``).
+"""CPU scheduling priority and placement of the serving processes (``--instance-nice``, ``--frontend-nice``,
+``--prefill-rt-priority``, ``--frontend-cores``).
 
 On a CPU testbed each instance process stands in for an accelerator, but the front end (HTTP, detokenization,
 SSE) and any load client on the host are not pinned and run on the same cores. Linux's scheduler moves them to
@@ -26,6 +26,10 @@ waits behind the whole forward, and the tokens it should have passed on reach th
 ``--frontend-rt-priority`` puts the front end's threads under ``SCHED_FIFO`` at a priority above the prefill
 instance's, so its short bursts of work preempt a forward instead (what a GPU host gets from CPU cores of its
 own). It is set with ``SCHED_RESET_ON_FORK``: the instances and threads the front end starts do not inherit it.
+
+Placement is the other lever: ``--frontend-cores`` (and the load client's ``--client-cores``) confine those
+processes to chosen cores, e.g. the prefill instance's, so that a decode instance's core runs nothing but its
+steps, as a GPU's decode would (docs/instance_priority.md).
 """
 
 from __future__ import annotations
@@ -133,6 +137,54 @@ def apply_realtime(priority: int | None, who: str, reset_on_fork: bool = False) 
     if why_not:
         print(f"{who}: warning: {why_not}; running under the normal scheduler", file=sys.stderr, flush=True)
     return why_not is None
+
+
+def parse_cores(spec: str) -> tuple[int, ...]:
+    """CPU cores from a list such as ``"0"``, ``"0,2"`` or ``"0-3,6"`` (sorted, without repeats); a clear
+    ValueError for anything else, and for cores this machine does not have."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"cores must be a list like '0', '0,2' or '0-3', got {spec!r}")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"core range {part!r} runs backwards")
+        cores.update(range(first, last + 1))
+    ncpu = os.cpu_count() or 1
+    missing = sorted(c for c in cores if c >= ncpu)
+    if missing:
+        raise ValueError(f"cpu cores {missing} do not exist (this machine has {ncpu})")
+    return tuple(sorted(cores))
+
+
+def set_process_affinity(cores: tuple[int, ...]) -> str | None:
+    """Confine every thread this process has now to ``cores`` (threads made later inherit their creator's mask;
+    processes already started keep theirs). Returns None on success, else why not."""
+    if not hasattr(os, "sched_setaffinity"):
+        return "core affinity needs Linux"
+    try:
+        _each_thread(lambda tid: os.sched_setaffinity(tid, set(cores)))
+    except OSError as exc:
+        return f"cannot pin to cores {list(cores)}: {exc}"
+    return None
+
+
+def apply_affinity(cores: tuple[int, ...] | None, who: str) -> bool:
+    """``set_process_affinity`` (None: leave the mask as inherited); a refusal is printed to stderr as a warning
+    naming ``who`` and the process goes on unpinned. True when the process now runs on ``cores``."""
+    if cores is None:
+        return False
+    why_not = set_process_affinity(cores)
+    if why_not:
+        print(f"{who}: warning: {why_not}; running unpinned", file=sys.stderr, flush=True)
+    return why_not is None
+
+
+def thread_affinities(pid: int) -> dict[int, frozenset[int]]:
+    """The cores each thread of process ``pid`` may run on."""
+    return _per_thread(pid, lambda tid: frozenset(os.sched_getaffinity(tid)))
 
 
 def _per_thread(pid: int, read: Callable[[int], T]) -> dict[int, T]:

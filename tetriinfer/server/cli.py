@@ -42,6 +42,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "CAP_SYS_NICE), above --prefill-rt-priority: its short bursts (HTTP, streaming) then preempt a "
                         "prompt's forward instead of waiting behind it on a shared core. Instances do not inherit it. "
                         "Default: off (docs/instance_priority.md)")
+    p.add_argument("--frontend-cores", default=None, metavar="LIST",
+                   help="pin the front end's threads to these CPU cores (e.g. '0' or '0-1'), once the instances "
+                        "have started (they keep their own cores): on a CPU testbed, putting the front end on the "
+                        "prefill instance's core leaves the decode instance's core to its steps alone. Default: "
+                        "unpinned (docs/instance_priority.md)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--chunk-padding", default="auto", choices=["auto", "full", "none"],
                    help="pad the last, partly filled prefill chunk to --chunk-size: full (the paper), none, or "
@@ -233,21 +238,33 @@ def build_client(args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tetriinfer.runtime.priority import apply_nice, apply_realtime, check_frontend_priorities
+    from tetriinfer.runtime.priority import (
+        apply_affinity,
+        apply_nice,
+        apply_realtime,
+        check_frontend_priorities,
+        parse_cores,
+    )
     from tetriinfer.server.app import build_app
 
     check_frontend_priorities(args.frontend_rt_priority, args.frontend_nice, args.prefill_rt_priority)
+    frontend_cores = parse_cores(args.frontend_cores) if args.frontend_cores is not None else None
     apply_nice(args.frontend_nice, "front end")
     rt = args.frontend_rt_priority
 
     def take_realtime() -> None:  # at start, and again once the client has started its threads (ZeroMQ I/O)
         apply_realtime(rt, "front end", reset_on_fork=True)
 
+    def after_start() -> None:  # the instances run on their own cores by now: only the front end's threads move
+        if rt is not None:
+            take_realtime()
+        apply_affinity(frontend_cores, "front end")
+
     if rt is not None:
         take_realtime()
     client, name = build_client(args)
     app = build_app(client, served_model_name=name, api_key=args.api_key,
-                    after_start=take_realtime if rt is not None else None)
+                    after_start=after_start if rt is not None or frontend_cores is not None else None)
     if hasattr(client, "metrics"):
         client.metrics = app.state.metrics
     desc = args.mode
