@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -282,6 +283,37 @@ def fake_servers(monkeypatch: pytest.MonkeyPatch, speeds: dict[str, tuple[float,
         i["id"]: i["busy_s"] for i in sbs.cluster_busy(url)["instances"]
     })
     return started
+
+
+def test_each_column_measures_with_its_own_client_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--client-cores NAME:LIST`` pins the load client for that column only; the others take the run default."""
+    import tetriinfer.bench.client as client_mod
+
+    fake_servers(monkeypatch, {"colocated": (0.02, 0.002), "tetriinfer": (0.02, 0.002)})
+    seen: list[tuple[str, tuple[int, ...] | None]] = []
+    real_run_benchmark = client_mod.run_benchmark
+
+    def spy(cfg: Any, workload: Any, slo: Any, label: str) -> Any:
+        seen.append((label, cfg.cores))
+        return real_run_benchmark(cfg, workload, slo, label)
+
+    monkeypatch.setattr(client_mod, "run_benchmark", spy)
+    cols = sbs.parse_columns("tetriinfer,colocated,c2=colocated", [], [], ["tetriinfer:0", "c2:all"])
+    by = {c.label: c for c in cols}
+    assert by["tetriinfer"].client_cores == (0,) and by["colocated"].client_cores is None
+    assert by["c2"].client_cores == tuple(range(os.cpu_count() or 1))
+    cfg = sbs.SideBySideConfig(str(tmp_path), ("lpld",), cols, num_requests=2, rate=20.0, max_prompt_tokens=300,
+                               max_output_tokens=12, progress=False, floor=False, client_cores=(0,))
+    result, _ = sbs.SideBySide(cfg, "test").run()
+    assert dict(seen) == {"tetriinfer": (0,), "colocated": (0,), "c2": tuple(range(os.cpu_count() or 1))}
+    report = sbs.markdown_report(result)
+    assert "**tetriinfer**" in report and "load client pinned to cores [0]" in report
+    with pytest.raises(ValueError, match="no column named"):
+        sbs.parse_columns("tetriinfer,colocated", [], [], ["sarathi:0"])
+    with pytest.raises(ValueError, match="NAME:LIST"):
+        sbs.parse_columns("tetriinfer,colocated", [], [], ["0"])
+    with pytest.raises(ValueError, match="twice"):
+        sbs.parse_columns("tetriinfer,colocated", [], [], ["tetriinfer:0", "tetriinfer:1"])
 
 
 def test_runner_writes_the_exact_json_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

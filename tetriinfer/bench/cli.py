@@ -315,7 +315,13 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         model = str(default_model_path())
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model folder {model!r} does not exist")
-    columns = parse_columns(args.modes, args.extra_server or (), args.serve_arg or ())
+    client_cores = args.client_cores or []
+    default_cores = [spec for spec in client_cores if ":" not in spec]
+    if len(default_cores) > 1:
+        raise ValueError(f"--client-cores without a column name given twice: {default_cores}")
+    columns = parse_columns(
+        args.modes, args.extra_server or (), args.serve_arg or (), [spec for spec in client_cores if ":" in spec]
+    )
     config = SideBySideConfig(
         model=model,
         workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
@@ -345,7 +351,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         floor=not args.no_floor,
         client_transport=args.client_transport,
         client_rt_priority=args.client_rt_priority,
-        client_cores=parse_cores(args.client_cores) if args.client_cores is not None else None,
+        client_cores=parse_cores(default_cores[0]) if default_cores else None,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -432,9 +438,11 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="run the load client under SCHED_FIFO at priority N for the run (1..99; needs root or "
                    "CAP_SYS_NICE), so that on a machine it shares with the server it records tokens as they arrive "
                    "instead of after an engine step that ran on its core. Default: off")
-    p.add_argument("--client-cores", default=None, metavar="LIST",
-                   help="pin the load client to these CPU cores for the run (e.g. '0'): on a machine it shares "
-                   "with the server, keep it off the cores whose steps it measures. Default: unpinned")
+    p.add_argument("--client-cores", action="append", default=None, metavar="[NAME:]LIST",
+                   help="pin the load client to these CPU cores (e.g. '0'): on a machine it shares with the server, "
+                   "keep it off the cores whose steps it measures. NAME:LIST applies to one column only (each "
+                   "layout has its own best placement; NAME:all leaves that column unpinned), a bare LIST to every "
+                   "column without its own; repeatable. Default: unpinned")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="per instance")
     p.add_argument("--out", required=True, help="results JSON")

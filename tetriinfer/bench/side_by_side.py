@@ -62,6 +62,7 @@ from tetriinfer.bench.workloads import (
     workload_summary_line,
 )
 from tetriinfer.net import free_loopback_port
+from tetriinfer.runtime.priority import parse_cores
 
 BASELINE = "colocated"
 MAX_RATE_FRACTION = 4.0  # a sweep may go past the probed rate (overload is part of the curve), not without bound
@@ -94,6 +95,8 @@ class Column:
     mode: str | None = None
     url: str | None = None
     serve_args: tuple[str, ...] = ()
+    # the load client pinned to these cores while it measures this column (None: SideBySideConfig.client_cores)
+    client_cores: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not _LABEL_RE.match(self.label):
@@ -207,12 +210,19 @@ class SideBySideConfig:
 
 
 def parse_columns(
-    modes: str, extra_servers: Sequence[str] = (), serve_args: Sequence[str] = ()
+    modes: str,
+    extra_servers: Sequence[str] = (),
+    serve_args: Sequence[str] = (),
+    client_cores: Sequence[str] = (),
 ) -> tuple[Column, ...]:
-    """Columns from ``--modes a,b,NAME=MODE``, ``--extra-server NAME=URL`` and ``--serve-arg [NAME:]ARGS``.
+    """Columns from ``--modes a,b,NAME=MODE``, ``--extra-server NAME=URL``, ``--serve-arg [NAME:]ARGS`` and
+    ``--client-cores NAME:LIST``.
 
     A ``--serve-arg`` without a ``NAME:`` prefix goes to every one of our columns; with one, only to that
-    column (``tetriinfer:--prefill-policy sjf``). Arguments are split like a shell would.
+    column (``tetriinfer:--prefill-policy sjf``). Arguments are split like a shell would. A ``--client-cores``
+    with a prefix pins the load client to ``LIST`` while it measures that column (``tetriinfer:0``; ``NAME:all``
+    leaves it unpinned there); one without a prefix is the run-wide default (``SideBySideConfig.client_cores``)
+    and is not handled here.
     """
     specs: list[tuple[str, str]] = []
     for item in (m.strip() for m in modes.split(",")):
@@ -233,12 +243,27 @@ def parse_columns(
             scoped.setdefault(prefix, []).extend(shlex.split(rest))
         else:
             common.extend(shlex.split(raw))
-    cols = [Column(label, mode, None, tuple(common + scoped.get(label, []))) for label, mode in specs]
     for raw in extra_servers:
         name, sep, url = raw.partition("=")
         if not sep or not name or not url:
             raise ValueError(f"--extra-server must be NAME=URL, got {raw!r}")
-        cols.append(Column(name, None, url.rstrip("/")))
+        labels.add(name)
+    cores: dict[str, tuple[int, ...]] = {}
+    for raw in client_cores:
+        name, sep, spec = raw.partition(":")
+        if not sep:
+            raise ValueError(f"--client-cores {raw!r}: a column's cores are NAME:LIST (e.g. tetriinfer:0)")
+        if name not in labels:
+            raise ValueError(f"--client-cores {raw!r}: no column named {name!r} (columns: {sorted(labels)})")
+        if name in cores:
+            raise ValueError(f"--client-cores names column {name!r} twice")
+        cores[name] = tuple(range(os.cpu_count() or 1)) if spec.strip() == "all" else parse_cores(spec)
+    cols = [
+        Column(label, mode, None, tuple(common + scoped.get(label, [])), cores.get(label)) for label, mode in specs
+    ]
+    for raw in extra_servers:
+        name, _, url = raw.partition("=")
+        cols.append(Column(name, None, url.rstrip("/"), client_cores=cores.get(name)))
     return tuple(cols)
 
 
@@ -541,7 +566,9 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
     )
     for col in meta.get("columns", []):
         where = col.get("url") or f"`tetriinfer serve {' '.join(col.get('serve_args', []))}`"
-        lines.append(f"  - **{col['label']}**: {where}")
+        pinned = col.get("client_cores")
+        lines.append(f"  - **{col['label']}**: {where}"
+                     + (f"; load client pinned to cores {pinned}" if pinned is not None else ""))
     lines.append(f"- SLOs for goodput: {meta.get('slo', {})} (none set: every completed request counts).")
     lines += ["", "## Request rates", ""]
     rates = meta.get("rates", {})
@@ -780,7 +807,7 @@ class SideBySide:
             "progress": c.progress,
             "transport": c.client_transport,
             "rt_priority": c.client_rt_priority,
-            "cores": c.client_cores,
+            "cores": column.client_cores if column.client_cores is not None else c.client_cores,
         }
 
     def _bench(self, url: str, model: str, column: Column, workload: Workload, **extra: Any) -> dict[str, Any]:
@@ -967,6 +994,7 @@ class SideBySide:
                     "label": col.label,
                     "mode": col.mode,
                     "url": col.url,
+                    "client_cores": list(col.client_cores) if col.client_cores is not None else None,
                     "serve_args": (
                         [*layout_args(col.mode, c.instances, c.prefill_instances),
                          "--kv-cache-memory-gb", str(c.kv_cache_memory_gb), *col.serve_args]
