@@ -243,10 +243,12 @@ def parse_columns(
             scoped.setdefault(prefix, []).extend(shlex.split(rest))
         else:
             common.extend(shlex.split(raw))
+    externals: list[tuple[str, str]] = []
     for raw in extra_servers:
         name, sep, url = raw.partition("=")
         if not sep or not name or not url:
             raise ValueError(f"--extra-server must be NAME=URL, got {raw!r}")
+        externals.append((name, url.rstrip("/")))
         labels.add(name)
     cores: dict[str, tuple[int, ...]] = {}
     for raw in client_cores:
@@ -261,9 +263,7 @@ def parse_columns(
     cols = [
         Column(label, mode, None, tuple(common + scoped.get(label, [])), cores.get(label)) for label, mode in specs
     ]
-    for raw in extra_servers:
-        name, _, url = raw.partition("=")
-        cols.append(Column(name, None, url.rstrip("/"), client_cores=cores.get(name)))
+    cols += [Column(name, None, url, client_cores=cores.get(name)) for name, url in externals]
     return tuple(cols)
 
 
