@@ -115,7 +115,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from tetriinfer.engine import fast_checkpoint as fc
-    from tetriinfer.engine.loader import parse_dtype
+    from tetriinfer.engine.loader import ensure_checkpoint, parse_dtype
     from tetriinfer.engine.make_model import make_model
 
     work = Path(tempfile.mkdtemp(prefix="cold-start-"))
@@ -127,7 +127,7 @@ def main() -> int:
         make_model("llama", args.preset, Path(model), seed=0, dtype=args.dtype)
     os.environ["TETRIINFER_CACHE"] = env["TETRIINFER_CACHE"]
     t0 = time.perf_counter()
-    ckpt, _ = fc.ensure_checkpoint(model, parse_dtype(args.dtype))
+    ckpt, _ = ensure_checkpoint(model, parse_dtype(args.dtype))
     convert_s = time.perf_counter() - t0
     ckpt_bytes = fc.read_index(ckpt).total_bytes
     files = weight_files([Path(model), ckpt])

@@ -61,10 +61,10 @@ def main() -> int:
     args = ap.parse_args()
 
     from tetriinfer.engine import fast_checkpoint as fc
-    from tetriinfer.engine.loader import parse_dtype
+    from tetriinfer.engine.loader import ensure_checkpoint, parse_dtype
 
     t0 = time.perf_counter()
-    ckpt, made_s = fc.ensure_checkpoint(args.model, parse_dtype(args.dtype))
+    ckpt, made_s = ensure_checkpoint(args.model, parse_dtype(args.dtype))
     convert_s = made_s or 0.0
     labels = ["auto", "fast", "fast-shm (first)", "fast-shm (next)"]
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in labels}

@@ -14,7 +14,7 @@ import torch
 
 from tests.serve_helpers import ServeProcess
 from tetriinfer.engine import fast_checkpoint as fc
-from tetriinfer.engine.loader import load_model
+from tetriinfer.engine.loader import ensure_checkpoint, load_model
 from tetriinfer.engine.make_model import make_model
 
 
@@ -79,11 +79,11 @@ def test_generation_from_a_fast_checkpoint_matches_the_hf_folder(tiny_llama: Pat
 
 def test_a_changed_source_makes_a_new_checkpoint(tmp_path: Path, cache: Path) -> None:
     model = make_model("llama", "tiny", tmp_path / "m", seed=0)
-    path_a, _ = fc.ensure_checkpoint(model, torch.float32)
-    assert fc.ensure_checkpoint(model, torch.float32) == (path_a, 0.0)
-    assert fc.ensure_checkpoint(model, torch.bfloat16)[0] != path_a  # another dtype, another checkpoint
+    path_a, _ = ensure_checkpoint(model, torch.float32)
+    assert ensure_checkpoint(model, torch.float32) == (path_a, 0.0)
+    assert ensure_checkpoint(model, torch.bfloat16)[0] != path_a  # another dtype, another checkpoint
     make_model("llama", "tiny", model, seed=1, force=True)  # new weights in the same folder
-    path_b, seconds = fc.ensure_checkpoint(model, torch.float32)
+    path_b, seconds = ensure_checkpoint(model, torch.float32)
     assert path_b != path_a and seconds > 0
     new, _ = load_model(model, "float32", "cpu", "fast")
     ref, _ = load_model(model, "float32", "cpu", "auto")
@@ -141,8 +141,8 @@ def test_bad_checkpoints_are_refused_with_clear_errors(tiny_models: dict[str, Pa
 
 
 def test_instances_starting_together_convert_once(tiny_llama: Path, cache: Path) -> None:
-    code = ("import sys, json, torch; from tetriinfer.engine import fast_checkpoint as fc; "
-            "p, s = fc.ensure_checkpoint(sys.argv[1], torch.float32); print(json.dumps([str(p), s]))")
+    code = ("import sys, json, torch; from tetriinfer.engine.loader import ensure_checkpoint; "
+            "p, s = ensure_checkpoint(sys.argv[1], torch.float32); print(json.dumps([str(p), s]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tiny_llama)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "TETRIINFER_CACHE": str(cache)}) for _ in range(3)]
     results = [json.loads(p.communicate(timeout=300)[0]) for p in procs]

@@ -126,7 +126,7 @@ def _add_profile(subparsers: Any) -> None:
 
 def _checkpoint_handler(args: argparse.Namespace) -> int:
     from tetriinfer.engine import fast_checkpoint as fc
-    from tetriinfer.engine.loader import parse_dtype
+    from tetriinfer.engine.loader import ensure_checkpoint, parse_dtype
 
     if args.checkpoint_command == "convert":
         model = args.model
@@ -134,7 +134,7 @@ def _checkpoint_handler(args: argparse.Namespace) -> int:
             from tetriinfer.engine.make_model import default_model_path
 
             model = str(default_model_path())
-        path, seconds = fc.ensure_checkpoint(model, parse_dtype(args.dtype))
+        path, seconds = ensure_checkpoint(model, parse_dtype(args.dtype))
         index = fc.read_index(path)
         made = f"made in {seconds:.1f} s" if seconds else "already cached"
         print(f"{path}: {index.total_bytes / 2**30:.3f} GiB in {len(index.partitions)} partition(s), {made}")

@@ -16,8 +16,8 @@ out once so that loading is one sequential read and no copy:
   process of the same cluster, a scaled-out or flipped instance -- maps that file (``MAP_SHARED``) and is
   ready in milliseconds, and the weights occupy host memory once, not once per instance.
 - Checkpoints live in a local cache (``<cache>/checkpoints/<digest>``), made from the HF folder on first use
-  (one normal load, then a write) and keyed by the source folder's path, weight files (names, sizes, mtimes),
-  config and dtype: a changed source makes a new checkpoint instead of loading stale weights.
+  by ``loader.ensure_checkpoint`` (one normal load, then a write; this module never imports the loader) and
+  keyed by the source folder's path, weight files (names, sizes, mtimes), config and dtype: a changed source makes a new checkpoint instead of loading stale weights.
 
 Safety: the index is JSON, validated against the model being built (every parameter exactly once, shapes and
 dtype equal, every byte range inside its partition); nothing is unpickled. Shared (``fast-shm``) weights are
@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tetriinfer.engine.weight_files import weight_files
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +134,10 @@ class LoadStats:
 
 def source_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Any]:
     """What a checkpoint was made from: the folder, its config and weight files (name, size, mtime), dtype."""
-    from tetriinfer.engine.loader import _weight_files
-
     folder = Path(model_dir).expanduser().resolve()
     config = (folder / "config.json").read_bytes()
     files = [{"name": f.name, "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
-             for f in _weight_files(folder)]
+             for f in weight_files(folder)]
     return {"model_dir": str(folder), "config_sha256": hashlib.sha256(config).hexdigest(), "weight_files": files,
             "dtype": DTYPE_NAMES[dtype]}
 
@@ -235,28 +235,6 @@ def write_checkpoint(model: nn.Module, out_dir: str | Path, source: dict[str, An
                 child.unlink()
             stage.rmdir()
     return index
-
-
-def ensure_checkpoint(model_dir: str | Path, dtype: torch.dtype) -> tuple[Path, float]:
-    """The cached fast checkpoint of ``model_dir`` at ``dtype``, made now (one normal load, then a write) if
-    missing. Returns (path, seconds spent converting; 0 when it was cached)."""
-    from tetriinfer.engine.loader import load_model
-
-    fingerprint = source_fingerprint(model_dir, dtype)
-    path = checkpoint_cache_dir() / fingerprint_digest(fingerprint)
-    if (path / "index.json").is_file():
-        return path, 0.0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:  # instances starting together convert once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (path / "index.json").is_file():
-            return path, 0.0
-        t0 = time.perf_counter()
-        model, _ = load_model(model_dir, dtype=dtype, device="cpu", load_format="auto")
-        write_checkpoint(model, path, fingerprint)
-        elapsed = time.perf_counter() - t0
-    log.info("made fast checkpoint %s from %s in %.1f s", path, model_dir, elapsed)
-    return path, elapsed
 
 
 # ---- reading -----------------------------------------------------------------------------------------------

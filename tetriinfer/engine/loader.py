@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import fcntl
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,9 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tetriinfer.engine import fast_checkpoint as fc
 from tetriinfer.engine.model_config import ModelConfig
 from tetriinfer.engine.models.llama import LlamaForCausalLM
 from tetriinfer.engine.models.opt import OPTForCausalLM
+from tetriinfer.engine.weight_files import weight_files
 
 log = logging.getLogger(__name__)
 
@@ -66,27 +69,6 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         return OPTForCausalLM(cfg)
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise FileNotFoundError(f"model folder {str(model_dir)!r} is missing weight files: {missing}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        return files
-    files = sorted(model_dir.glob("pytorch_model*.bin"))
-    if files:
-        return files
-    raise FileNotFoundError(
-        f"model folder {str(model_dir)!r} has no weights (*.safetensors or pytorch_model*.bin); "
-        "use load_format='dummy' for random weights"
-    )
-
-
 def _iter_tensors(files: list[Path]):
     from safetensors import safe_open
 
@@ -105,7 +87,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     loaded: dict[str, set[int | None]] = {}
-    for hf_name, tensor in _iter_tensors(_weight_files(model_dir)):
+    for hf_name, tensor in _iter_tensors(weight_files(model_dir)):
         if "rotary_emb.inv_freq" in hf_name:
             continue
         name, shard, num_shards = model.map_weight_name(hf_name)
@@ -200,9 +182,7 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Mod
 def _load_fast(model_dir: Path, dtype: torch.dtype, device: str, shm: bool) -> tuple[nn.Module, ModelConfig]:
     """``fast`` / ``fast-shm``: the cached loading-optimized checkpoint (made on first use), see
     ``engine/fast_checkpoint.py``. The loaded model carries ``load_stats`` (a ``LoadStats``)."""
-    from tetriinfer.engine import fast_checkpoint as fc
-
-    ckpt, converted_s = fc.ensure_checkpoint(model_dir, dtype)
+    ckpt, converted_s = ensure_checkpoint(model_dir, dtype)
     cfg = ModelConfig.from_pretrained(model_dir)
     model = _empty_model(cfg)
     stats = fc.load_fast(model, ckpt, device=device, shm=shm)
@@ -213,3 +193,23 @@ def _load_fast(model_dir: Path, dtype: torch.dtype, device: str, shm: bool) -> t
     log.info("loaded %s from fast checkpoint %s (%s tier): %.2f GiB in %.3f s (%.2f GiB/s, %d readers)",
              model_dir, ckpt, stats.tier, stats.bytes / 2**30, stats.seconds, stats.gib_per_s, stats.num_readers)
     return _finish(model), cfg
+
+
+def ensure_checkpoint(model_dir: str | Path, dtype: torch.dtype) -> tuple[Path, float]:
+    """The cached fast checkpoint of ``model_dir`` at ``dtype``, made now (one normal load, then a write) if
+    missing. Returns (path, seconds spent converting; 0 when it was cached)."""
+    fingerprint = fc.source_fingerprint(model_dir, dtype)
+    path = fc.checkpoint_cache_dir() / fc.fingerprint_digest(fingerprint)
+    if (path / "index.json").is_file():
+        return path, 0.0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:  # instances starting together convert once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "index.json").is_file():
+            return path, 0.0
+        t0 = time.perf_counter()
+        model, _ = load_model(model_dir, dtype=dtype, device="cpu", load_format="auto")
+        fc.write_checkpoint(model, path, fingerprint)
+        elapsed = time.perf_counter() - t0
+    log.info("made fast checkpoint %s from %s in %.1f s", path, model_dir, elapsed)
+    return path, elapsed

@@ -193,8 +193,7 @@ class ClusterEngineClient:
 
         if self.config.load_format in ("fast", "fast-shm"):
             # Make the fast checkpoint once, here, before instances race to (and time out making) it.
-            from tetriinfer.engine.fast_checkpoint import ensure_checkpoint
-            from tetriinfer.engine.loader import parse_dtype
+            from tetriinfer.engine.loader import ensure_checkpoint, parse_dtype
 
             await asyncio.to_thread(ensure_checkpoint, self.config.model, parse_dtype(self.config.dtype))
         c = self.config

@@ -16,7 +16,7 @@ COST_HELP = ("profile:FILE[,FILE...] (`tetriinfer profile` JSONs measured on the
 
 def _cost_model(args: argparse.Namespace) -> tuple[Any, Any, int]:
     """(cost model, model config, KV bytes per token) from ``--cost`` and ``--model``."""
-    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.model_config import DEFAULT_SIM_MODEL
     from tetriinfer.sim.cost_model import (
         HARDWARE_PRESETS,
         ProfileCostModel,
@@ -26,7 +26,7 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, Any, int]:
     )
 
     kind, _, value = args.cost.partition(":")
-    model = args.model or str(default_model_path())
+    model = args.model or DEFAULT_SIM_MODEL
     cfg = model_config(model)
     overhead = args.step_overhead_ms / 1e3 if args.step_overhead_ms >= 0 else None
     if kind == "profile":

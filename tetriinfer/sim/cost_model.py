@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tetriinfer.core.step import SchedulerOutput
-from tetriinfer.engine.model_config import ModelConfig
+from tetriinfer.model_config import MODEL_PRESETS, ModelConfig, model_config  # noqa: F401 - re-exported
 
 
 class CostModel(Protocol):
@@ -144,34 +144,6 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     "h100-80g": Hardware("H100 SXM 80GB", 989e12, 3.35e12, 80 * GIB),
     "h200-141g": Hardware("H200 141GB", 989e12, 4.8e12, 141 * GIB),
 }
-
-
-def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, ctx: int) -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": inter,
-            "vocab_size": vocab, "max_position_embeddings": ctx}
-
-
-# Published shapes (HF config.json fields).
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "llama-2-7b": _llama(4096, 32, 32, 32, 11008, 32000, 4096),
-    "llama-2-13b": _llama(5120, 40, 40, 40, 13824, 32000, 4096),
-    "llama-3-8b": _llama(4096, 32, 32, 8, 14336, 128256, 8192),
-    "mistral-7b": _llama(4096, 32, 32, 8, 14336, 32000, 32768),
-    "opt-13b": {"architectures": ["OPTForCausalLM"], "hidden_size": 5120, "num_hidden_layers": 40,
-                "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272, "max_position_embeddings": 2048},
-}
-
-
-def model_config(name_or_dir: str) -> ModelConfig:
-    """A preset name (``MODEL_PRESETS``) or a model folder with a ``config.json``."""
-    if name_or_dir in MODEL_PRESETS:
-        return ModelConfig.from_dict(MODEL_PRESETS[name_or_dir])
-    path = Path(name_or_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"unknown model {name_or_dir!r}: not a preset ({', '.join(MODEL_PRESETS)}) "
-                         f"and no {path}")
-    return ModelConfig.from_dict(json.loads(path.read_text()))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
