@@ -3,9 +3,9 @@
 Each instance process is pinned to its own core and stands in for an accelerator, but the front end (HTTP, SSE,
 detokenization) and the load client are not pinned, and Linux runs them wherever a core looks least busy. This
 script serves one workload per (mode, priority) server -- the side-by-side layouts: 1 prefill + 1 decode instance
-vs 2 colocated, one core each; priority: the default, ``--instance-nice N`` (instances only) and ``--frontend-nice
-N`` (the front end, and the instances that inherit it) and, TetriInfer only, ``--prefill-rt-priority P`` (the
-prefill instance under SCHED_FIFO, nothing else changed) -- and reads ``/proc/PID/schedstat`` of every instance process and of the front end
+vs 2 colocated, one core each; priority (``--cpu-layout FILE`` knobs): the default, ``instance_nice = N`` (instances
+only) and ``frontend_nice = N`` (the front end, and the instances that inherit it) and, TetriInfer only,
+``prefill_rt_priority = P`` (the prefill instance under SCHED_FIFO, nothing else changed) -- and reads ``/proc/PID/schedstat`` of every instance process and of the front end
 before and after: *run* = seconds on a CPU, *wait* = seconds runnable but not running (every thread of the
 process summed). A prefill instance's wait is added to its prompts' TTFT one for one. Mean TTFT and JCT of the
 run come from the same requests. Servers alternate over ``--rounds`` so a drifting machine favours none.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,8 +67,14 @@ PRIORITIES = {"tetriinfer": ("default", "instances", "all", "prefill-rt"), "colo
 
 
 def priority_args(priority: str, nice: int, rt_priority: int) -> list[str]:
-    return {"default": [], "instances": ["--instance-nice", str(nice)], "all": ["--frontend-nice", str(nice)],
-            "prefill-rt": ["--prefill-rt-priority", str(rt_priority)]}[priority]
+    """``--cpu-layout FILE`` for one priority setting (the file is written to a temporary folder)."""
+    knob = {"default": None, "instances": f"instance_nice = {nice}", "all": f"frontend_nice = {nice}",
+            "prefill-rt": f"prefill_rt_priority = {rt_priority}"}[priority]
+    if knob is None:
+        return []
+    path = Path(tempfile.mkdtemp(prefix="cpu-layout-")) / f"{priority}.toml"
+    path.write_text(knob + "\n")
+    return ["--cpu-layout", str(path)]
 
 
 def one_server(model: str, mode: str, prio: list[str], workload_name: str, n: int, rate: float, seed: int) -> dict:

@@ -80,3 +80,18 @@ def realtime_allowed() -> bool:
     """Whether a process here may take SCHED_FIFO (root or CAP_SYS_NICE), asked of a child process."""
     code = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
+
+
+def write_cpu_layout(folder: Path, **knobs: int | str | list[str]) -> str:
+    """A ``--cpu-layout`` TOML file in ``folder`` setting ``knobs`` (e.g. ``prefill_rt_priority=7``); its path."""
+    lines = []
+    for key, value in knobs.items():
+        if isinstance(value, list):
+            lines.append(f"{key} = [{', '.join(repr(v).replace(chr(39), chr(34)) for v in value)}]")
+        elif isinstance(value, str):
+            lines.append(f'{key} = "{value}"')
+        else:
+            lines.append(f"{key} = {value}")
+    path = Path(folder) / "cpu_layout.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)

@@ -286,7 +286,7 @@ def fake_servers(monkeypatch: pytest.MonkeyPatch, speeds: dict[str, tuple[float,
 
 
 def test_each_column_measures_with_its_own_client_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """``--client-cores NAME:LIST`` pins the load client for that column only; the others take the run default."""
+    """``client_cores = ["NAME:LIST"]`` pins the load client for that column only; the others take the run default."""
     import tetriinfer.bench.client as client_mod
 
     fake_servers(monkeypatch, {"colocated": (0.02, 0.002), "tetriinfer": (0.02, 0.002)})

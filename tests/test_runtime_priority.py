@@ -1,5 +1,5 @@
-"""``--instance-nice``: instance processes run at the asked CPU priority, every thread of them, and a priority the
-process may not take is reported, never fatal."""
+"""CPU priority and placement (the knobs of a ``--cpu-layout`` FILE): instance processes run at the asked CPU
+priority, every thread of them, and a priority the process may not take is reported, never fatal."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_helpers import ServeProcess, realtime_allowed
+from tests.serve_helpers import ServeProcess, realtime_allowed, write_cpu_layout
 from tetriinfer.runtime import priority
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.runtime.instance_spec import InstanceSpec
@@ -64,7 +64,7 @@ def test_a_priority_the_process_may_not_take_is_reported_not_raised(monkeypatch:
     assert why_not is not None and "CAP_SYS_NICE" in why_not
 
 
-def test_nice_values_are_validated_and_reach_the_cluster_config_from_the_command_line() -> None:
+def test_nice_values_are_validated_and_reach_the_cluster_config_from_the_command_line(tmp_path: Path) -> None:
     for bad in (-21, 20):
         with pytest.raises(ValueError, match="nice"):
             ClusterConfig(model="m", instance_nice=bad)
@@ -72,23 +72,24 @@ def test_nice_values_are_validated_and_reach_the_cluster_config_from_the_command
             InstanceSpec("i", "prefill", "ipc://x", "m", nice=bad)
     p = argparse.ArgumentParser()
     add_cluster_args(p)
-    assert cluster_config_from_args(p.parse_args(["--instance-nice", "-10"]), "m").instance_nice == -10
+    layout = write_cpu_layout(tmp_path, instance_nice=-10)
+    assert cluster_config_from_args(p.parse_args(["--cpu-layout", layout]), "m").instance_nice == -10
     assert cluster_config_from_args(p.parse_args([]), "m").instance_nice is None  # default: the front end's
     assert InstanceSpec("i", "prefill", "ipc://x", "m").nice is None
 
 
 @linux_only
-@pytest.mark.parametrize(("args", "frontend", "instances"), [
-    (["--mode", "tetriinfer", "--instance-nice", "5"], None, 5),
-    (["--mode", "colocated", "--instances", "2", "--frontend-nice", "3"], 3, 3),  # instances inherit it
+@pytest.mark.parametrize(("args", "knobs", "frontend", "instances"), [
+    (["--mode", "tetriinfer"], {"instance_nice": 5}, None, 5),
+    (["--mode", "colocated", "--instances", "2"], {"frontend_nice": 3}, 3, 3),  # instances inherit it
 ], ids=["instance-nice", "frontend-nice"])
 def test_served_processes_run_at_their_nice_values_and_answer(
-    tiny_llama: Path, args: list[str], frontend: int | None, instances: int,
+    tiny_llama: Path, tmp_path: Path, args: list[str], knobs: dict[str, int], frontend: int | None, instances: int,
 ) -> None:
     """A real server with raised nice values (no privilege needed): every thread of every instance process is at
     ``instances``, every thread of the front end at ``frontend`` (None: the test process's), and a completion
     still comes back."""
-    srv = ServeProcess(tiny_llama, *args)
+    srv = ServeProcess(tiny_llama, *args, "--cpu-layout", write_cpu_layout(tmp_path, **knobs))
     try:
         pids = srv.child_pids()
         assert len(pids) == 2
@@ -105,7 +106,7 @@ def test_served_processes_run_at_their_nice_values_and_answer(
         assert srv.stop() == 0
 
 
-# ---- --prefill-rt-priority: SCHED_FIFO while prefilling ---------------------------------------------------------
+# ---- prefill_rt_priority: SCHED_FIFO while prefilling ---------------------------------------------------------
 @linux_only
 def test_real_time_policy_reaches_every_thread_and_is_given_back_keeping_the_nice_value() -> None:
     """In a child process: SCHED_FIFO reaches the threads made before the call and is inherited by one made after;
@@ -153,7 +154,7 @@ def test_a_real_time_policy_the_process_may_not_take_is_reported_not_raised(
     assert "prefill-0" in err and "CAP_SYS_NICE" in err and "normal scheduler" in err
 
 
-def test_real_time_priorities_are_validated_and_reach_the_cluster_config_from_the_command_line() -> None:
+def test_real_time_priorities_are_validated_and_reach_the_cluster_config_from_the_command_line(tmp_path: Path) -> None:
     for bad in (0, 100):
         with pytest.raises(ValueError, match="real-time priority"):
             ClusterConfig(model="m", prefill_rt_priority=bad)
@@ -165,16 +166,18 @@ def test_real_time_priorities_are_validated_and_reach_the_cluster_config_from_th
         ClusterConfig(model="m", prefill_rt_priority=10, keep_decode=True)
     p = argparse.ArgumentParser()
     add_cluster_args(p)
-    assert cluster_config_from_args(p.parse_args(["--prefill-rt-priority", "10"]), "m").prefill_rt_priority == 10
+    layout = write_cpu_layout(tmp_path, prefill_rt_priority=10)
+    assert cluster_config_from_args(p.parse_args(["--cpu-layout", layout]), "m").prefill_rt_priority == 10
     assert cluster_config_from_args(p.parse_args([]), "m").prefill_rt_priority is None  # off by default
 
 
 @linux_only
-def test_only_the_prefill_instance_runs_real_time_and_the_server_answers(tiny_llama: Path) -> None:
-    """A real 1 prefill + 1 decode server with --prefill-rt-priority 7: every thread of the prefill instance is
+def test_only_the_prefill_instance_runs_real_time_and_the_server_answers(tiny_llama: Path, tmp_path: Path) -> None:
+    """A real 1 prefill + 1 decode server with prefill_rt_priority 7: every thread of the prefill instance is
     SCHED_FIFO 7 (or, without the privilege, the normal scheduler), the decode instance and the front end stay under
     the normal scheduler, and completions come back."""
-    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-rt-priority", "7")
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--cpu-layout",
+                       write_cpu_layout(tmp_path, prefill_rt_priority=7))
     try:
         pids = {i["role"]: i["pid"] for i in srv.cluster()["instances"]}
         assert set(pids) == {"prefill", "decode"}
@@ -227,27 +230,31 @@ def test_reset_on_fork_keeps_the_real_time_policy_from_threads_and_processes_sta
         assert all(v == [os.SCHED_OTHER, 0] for v in res["existing"].values())
 
 
-def test_front_end_priority_combinations_that_cannot_work_are_refused() -> None:
+def test_front_end_priority_combinations_that_cannot_work_are_refused(tmp_path: Path) -> None:
     priority.check_frontend_priorities(None, -5, 10)  # off: anything goes
     priority.check_frontend_priorities(11, None, 10)
     priority.check_frontend_priorities(3, None, None)
     with pytest.raises(ValueError, match="exclude each other"):
         priority.check_frontend_priorities(11, -5, 10)
-    with pytest.raises(ValueError, match="must be above --prefill-rt-priority"):
+    with pytest.raises(ValueError, match="must be above prefill_rt_priority"):
         priority.check_frontend_priorities(10, None, 10)
     with pytest.raises(ValueError, match="real-time priority"):
         priority.check_frontend_priorities(100, None, None)
-    out = subprocess.run([sys.executable, "-m", "tetriinfer.cli", "serve", "--frontend-rt-priority", "5",
-                          "--prefill-rt-priority", "9"], capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "must be above --prefill-rt-priority" in out.stderr
+    layout = write_cpu_layout(tmp_path, frontend_rt_priority=5, prefill_rt_priority=9)
+    out = subprocess.run([sys.executable, "-m", "tetriinfer.cli", "serve", "--cpu-layout", layout],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "must be above prefill_rt_priority" in out.stderr and layout in out.stderr
 
 
-def test_a_real_time_front_end_and_prefill_instance_each_keep_their_own_policy_and_answer(tiny_llama: Path) -> None:
-    """A real 1 prefill + 1 decode server with --prefill-rt-priority 7 --frontend-rt-priority 9: the front end's
+def test_a_real_time_front_end_and_prefill_instance_each_keep_their_own_policy_and_answer(
+    tiny_llama: Path, tmp_path: Path,
+) -> None:
+    """A real 1 prefill + 1 decode server with prefill_rt_priority 7 and frontend_rt_priority 9: the front end's
     threads that exist once it has started (its event loop, ZeroMQ's I/O thread) are SCHED_FIFO 9 with reset-on-fork;
     the instances it spawned did not inherit that: the prefill instance is SCHED_FIFO 7 (its own flag), the decode
     instance the normal scheduler; streamed completions come back."""
-    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-rt-priority", "7", "--frontend-rt-priority", "9")
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--cpu-layout",
+                       write_cpu_layout(tmp_path, prefill_rt_priority=7, frontend_rt_priority=9))
     try:
         pids = {i["role"]: i["pid"] for i in srv.cluster()["instances"]}
         allowed = realtime_allowed()
@@ -339,7 +346,7 @@ def test_a_real_time_loop_that_yields_lets_its_queued_message_leave_before_a_lon
     assert res["seen_during_spin"] is yields
 
 
-def test_core_lists_parse_and_bad_ones_are_refused() -> None:
+def test_core_lists_parse_and_bad_ones_are_refused(tmp_path: Path) -> None:
     assert priority.parse_cores("0") == (0,)
     assert priority.parse_cores("1,0,1") == (0, 1)
     ncpu = os.cpu_count() or 1
@@ -349,8 +356,8 @@ def test_core_lists_parse_and_bad_ones_are_refused() -> None:
             priority.parse_cores(bad)
     with pytest.raises(ValueError, match="do not exist"):
         priority.parse_cores(str(ncpu))
-    out = subprocess.run([sys.executable, "-m", "tetriinfer.cli", "serve", "--frontend-cores", "0-"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "tetriinfer.cli", "serve", "--cpu-layout",
+                          write_cpu_layout(tmp_path, frontend_cores="0-")], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "cores must be a list" in out.stderr
 
 
@@ -399,12 +406,12 @@ def test_the_load_client_runs_on_its_cores_and_gets_its_mask_back(monkeypatch: p
 
 
 @linux_only
-def test_a_pinned_front_end_keeps_its_cores_and_the_instances_keep_theirs(tiny_llama: Path) -> None:
-    """A real 1 prefill + 1 decode server with --frontend-cores 0: every front-end thread runs on core 0 once it has
+def test_a_pinned_front_end_keeps_its_cores_and_the_instances_keep_theirs(tiny_llama: Path, tmp_path: Path) -> None:
+    """A real 1 prefill + 1 decode server with frontend_cores "0": every front-end thread runs on core 0 once it has
     started; the instances it spawned before that run on their own cores (prefill 0, decode 1 on a 2-core machine);
     streamed completions come back."""
     ncpu = os.cpu_count() or 1
-    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--frontend-cores", "0")
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--cpu-layout", write_cpu_layout(tmp_path, frontend_cores="0"))
     try:
         info = srv.cluster()["instances"]
         front = priority.thread_affinities(srv.proc.pid)

@@ -10,16 +10,16 @@ import time
 import httpx
 import pytest
 
-from tests.serve_helpers import ServeProcess, realtime_allowed
+from tests.serve_helpers import ServeProcess, realtime_allowed, write_cpu_layout
 from tetriinfer.runtime.priority import thread_policies
 
 
 @pytest.fixture(scope="module")
-def flip_server(tiny_llama):
+def flip_server(tiny_llama, tmp_path_factory):
     srv = ServeProcess(
         tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "2", "--decode-instances", "1",
         "--chunk-size", "64", "--flip", "--flip-window", "0.5", "--flip-threshold", "0.2",
-        "--prefill-rt-priority", "5",
+        "--cpu-layout", write_cpu_layout(tmp_path_factory.mktemp("layout"), prefill_rt_priority=5),
     )
     yield srv
     assert srv.stop() == 0
@@ -51,7 +51,7 @@ def test_prefill_instance_flips_to_decode_under_decode_load(flip_server):
     assert after[flip["instance"]]["pid"] == before[flip["instance"]]["pid"]
     roles = sorted(i["role"] for i in info["instances"])
     assert roles.count("prefill") >= 1 and roles.count("decode") >= 1
-    # --prefill-rt-priority: the flipped instance gave SCHED_FIFO back; instances still prefilling hold it
+    # prefill_rt_priority: the flipped instance gave SCHED_FIFO back; instances still prefilling hold it
     fifo = (os.SCHED_FIFO, 5) if realtime_allowed() else (os.SCHED_OTHER, 0)
     for inst in info["instances"]:
         want = fifo if inst["role"] == "prefill" else (os.SCHED_OTHER, 0)

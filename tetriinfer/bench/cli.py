@@ -105,6 +105,20 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def client_cpu_layout(value: str) -> Any:
+    """The load client's ``CpuLayout`` from ``--cpu-layout`` (``auto`` resolved for this machine, and logged)."""
+    import sys
+
+    from tetriinfer.runtime.cpu_layout import auto_client_layout, load_layout, realtime_permitted
+
+    layout = load_layout(value)
+    if layout is None:
+        layout = auto_client_layout(os.cpu_count() or 1, realtime_permitted())
+    if layout.source != "none":
+        print(layout.describe(), *(f"  {n}" for n in layout.notes), sep="\n", file=sys.stderr, flush=True)
+    return layout
+
+
 def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from tetriinfer.bench.workloads import (
         load_workload,
@@ -165,13 +179,10 @@ def _add_run_args(p: argparse.ArgumentParser, required: bool) -> None:
     s.add_argument("--client-transport", choices=("raw", "httpx"), default="raw",
                    help="the load client's HTTP transport: raw (lean asyncio protocol on uvloop, the least CPU per "
                    "streamed token) or httpx (benchmarks/bench_client_overhead.py compares them)")
-    s.add_argument("--client-rt-priority", type=int, default=None, metavar="N",
-                   help="run the load client under SCHED_FIFO at priority N for the run (1..99; needs root or "
-                   "CAP_SYS_NICE), so that on a machine it shares with the server it records tokens as they arrive "
-                   "instead of after an engine step that ran on its core. Default: off")
-    s.add_argument("--client-cores", default=None, metavar="LIST",
-                   help="pin the load client to these CPU cores for the run (e.g. '0'): on a machine it shares "
-                   "with the server, keep it off the cores whose steps it measures. Default: unpinned")
+    s.add_argument("--cpu-layout", default="none", metavar="auto|none|FILE",
+                   help="on a machine the client shares with the server: none (unchanged), auto (the load client "
+                   "on core 0, beside `serve --cpu-layout auto`'s front end, under SCHED_FIFO where permitted; "
+                   "logged), or a TOML FILE with client_rt_priority and client_cores (docs/side_by_side.md#cpu-layout)")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     s.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput (ms)")
     s.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput (ms)")
@@ -199,6 +210,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--random-token-range must be LO:HI, got {args.random_token_range!r}") from exc
     slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    layout = client_cpu_layout(args.cpu_layout)
     workload = _build_workload(args)
     config = ClientConfig(
         base_url=args.base_url,
@@ -215,8 +227,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         server_usage=not args.no_server_usage,
         transport=args.client_transport,
-        rt_priority=args.client_rt_priority,
-        cores=parse_cores(args.client_cores) if args.client_cores is not None else None,
+        rt_priority=layout.client_rt_priority,
+        cores=layout.client_cores_for_run(),
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)
@@ -315,10 +327,11 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         model = str(default_model_path())
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model folder {model!r} does not exist")
-    client_cores = args.client_cores or []
+    layout = client_cpu_layout(args.cpu_layout)
+    client_cores = list(layout.client_cores)
     default_cores = [spec for spec in client_cores if ":" not in spec]
     if len(default_cores) > 1:
-        raise ValueError(f"--client-cores without a column name given twice: {default_cores}")
+        raise ValueError(f"--cpu-layout client_cores: a LIST without a column name given twice: {default_cores}")
     columns = parse_columns(
         args.modes, args.extra_server or (), args.serve_arg or (), [spec for spec in client_cores if ":" in spec]
     )
@@ -350,7 +363,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         keep_servers=args.keep_servers,
         floor=not args.no_floor,
         client_transport=args.client_transport,
-        client_rt_priority=args.client_rt_priority,
+        client_rt_priority=layout.client_rt_priority,
         client_cores=parse_cores(default_cores[0]) if default_cores else None,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -434,15 +447,11 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--client-transport", choices=("raw", "httpx"), default="raw",
                    help="the load client's HTTP transport: raw (lean asyncio protocol on uvloop, the least CPU per "
                    "streamed token) or httpx (benchmarks/bench_client_overhead.py compares them)")
-    p.add_argument("--client-rt-priority", type=int, default=None, metavar="N",
-                   help="run the load client under SCHED_FIFO at priority N for the run (1..99; needs root or "
-                   "CAP_SYS_NICE), so that on a machine it shares with the server it records tokens as they arrive "
-                   "instead of after an engine step that ran on its core. Default: off")
-    p.add_argument("--client-cores", action="append", default=None, metavar="[NAME:]LIST",
-                   help="pin the load client to these CPU cores (e.g. '0'): on a machine it shares with the server, "
-                   "keep it off the cores whose steps it measures. NAME:LIST applies to one column only (each "
-                   "layout has its own best placement; NAME:all leaves that column unpinned), a bare LIST to every "
-                   "column without its own; repeatable. Default: unpinned")
+    p.add_argument("--cpu-layout", default="none", metavar="auto|none|FILE",
+                   help="where the load client runs: none (unchanged), auto (core 0 under SCHED_FIFO where "
+                   "permitted, for every column), or a TOML FILE with client_rt_priority and client_cores: a list "
+                   "of [NAME:]LIST (NAME: that column only, NAME:all leaves it unpinned; a bare LIST for the other "
+                   "columns). Each column's server takes its own through --serve-arg 'NAME:--cpu-layout FILE'")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="per instance")
     p.add_argument("--out", required=True, help="results JSON")

@@ -216,10 +216,10 @@ def parse_columns(
     client_cores: Sequence[str] = (),
 ) -> tuple[Column, ...]:
     """Columns from ``--modes a,b,NAME=MODE``, ``--extra-server NAME=URL``, ``--serve-arg [NAME:]ARGS`` and
-    ``--client-cores NAME:LIST``.
+    ``client_cores = ["NAME:LIST"]`` of ``--cpu-layout FILE``.
 
     A ``--serve-arg`` without a ``NAME:`` prefix goes to every one of our columns; with one, only to that
-    column (``tetriinfer:--prefill-policy sjf``). Arguments are split like a shell would. A ``--client-cores``
+    column (``tetriinfer:--prefill-policy sjf``). Arguments are split like a shell would. A ``client_cores``
     with a prefix pins the load client to ``LIST`` while it measures that column (``tetriinfer:0``; ``NAME:all``
     leaves it unpinned there); one without a prefix is the run-wide default (``SideBySideConfig.client_cores``)
     and is not handled here.
@@ -254,11 +254,11 @@ def parse_columns(
     for raw in client_cores:
         name, sep, spec = raw.partition(":")
         if not sep:
-            raise ValueError(f"--client-cores {raw!r}: a column's cores are NAME:LIST (e.g. tetriinfer:0)")
+            raise ValueError(f"client_cores {raw!r}: a column's cores are NAME:LIST (e.g. tetriinfer:0)")
         if name not in labels:
-            raise ValueError(f"--client-cores {raw!r}: no column named {name!r} (columns: {sorted(labels)})")
+            raise ValueError(f"client_cores {raw!r}: no column named {name!r} (columns: {sorted(labels)})")
         if name in cores:
-            raise ValueError(f"--client-cores names column {name!r} twice")
+            raise ValueError(f"client_cores names column {name!r} twice")
         cores[name] = tuple(range(os.cpu_count() or 1)) if spec.strip() == "all" else parse_cores(spec)
     cols = [
         Column(label, mode, None, tuple(common + scoped.get(label, [])), cores.get(label)) for label, mode in specs

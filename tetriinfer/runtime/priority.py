@@ -1,10 +1,11 @@
-"""CPU scheduling priority and placement of the serving processes (``--instance-nice``, ``--frontend-nice``,
-``--prefill-rt-priority``, ``--frontend-cores``).
+"""CPU scheduling priority and placement of the serving processes: the levers behind ``--cpu-layout``
+(``instance_nice``, ``frontend_nice``, ``prefill_rt_priority``, ``frontend_rt_priority``, ``frontend_cores``;
+which ones a run uses is decided in ``runtime.cpu_layout``).
 
 On a CPU testbed each instance process stands in for an accelerator, but the front end (HTTP, detokenization,
 SSE) and any load client on the host are not pinned and run on the same cores. Linux's scheduler moves them to
 the least busy core -- with disaggregation, the prefill instance's -- so a prompt that arrives there waits for
-them before its forward runs (measured with ``/proc/PID/schedstat``: docs/instance_priority.md). A GPU's kernels
+them before its forward runs (measured with ``/proc/PID/schedstat``: docs/side_by_side.md). A GPU's kernels
 are not delayed by the host's HTTP server; a lower nice value for the instance processes gives the CPU stand-in
 the same property.
 
@@ -16,20 +17,20 @@ serves).
 
 A nice value only weights the fair scheduler: a prefill that wakes on a core where the front end or the load
 client is running still waits for the scheduler to preempt them (0.98 s per 96 prompts at nice -10,
-docs/instance_priority.md). ``set_process_realtime`` puts every thread under ``SCHED_FIFO``, which preempts any
+docs/side_by_side.md). ``set_process_realtime`` puts every thread under ``SCHED_FIFO``, which preempts any
 normal task at once; an instance takes it while it holds the prefill role, whose work is short, bursty and on
 the TTFT path, and gives it back when it flips to decode (``Instance``). The kernel's real-time throttling
 (``/proc/sys/kernel/sched_rt_runtime_us``, 95% by default) keeps a core from being taken whole.
 
 The converse problem: a front end (or load client) thread that the scheduler left on the prefill instance's core
 waits behind the whole forward, and the tokens it should have passed on reach the client together afterwards.
-``--frontend-rt-priority`` puts the front end's threads under ``SCHED_FIFO`` at a priority above the prefill
+``frontend_rt_priority`` puts the front end's threads under ``SCHED_FIFO`` at a priority above the prefill
 instance's, so its short bursts of work preempt a forward instead (what a GPU host gets from CPU cores of its
 own). It is set with ``SCHED_RESET_ON_FORK``: the instances and threads the front end starts do not inherit it.
 
-Placement is the other lever: ``--frontend-cores`` (and the load client's ``--client-cores``) confine those
+Placement is the other lever: ``frontend_cores`` (and the load client's ``client_cores``) confine those
 processes to chosen cores, e.g. the prefill instance's, so that a decode instance's core runs nothing but its
-steps, as a GPU's decode would (docs/instance_priority.md).
+steps, as a GPU's decode would (docs/side_by_side.md).
 """
 
 from __future__ import annotations
@@ -58,17 +59,17 @@ def check_rt_priority(priority: int) -> int:
 
 
 def check_frontend_priorities(frontend_rt: int | None, frontend_nice: int | None, prefill_rt: int | None) -> None:
-    """Refuse ``--frontend-rt-priority`` combinations that cannot do what they say: with a nice value too (a
+    """Refuse ``frontend_rt_priority`` combinations that cannot do what they say: with a nice value too (a
     ``SCHED_FIFO`` thread ignores it, and the instances would no longer inherit it), or not above the prefill
     instances' priority (the front end would still wait behind a forward)."""
     if frontend_rt is None:
         return
     check_rt_priority(frontend_rt)
     if frontend_nice is not None:
-        raise ValueError("--frontend-rt-priority and --frontend-nice exclude each other: a real-time front end "
-                         "ignores its nice value; give instances theirs with --instance-nice")
+        raise ValueError("frontend_rt_priority and frontend_nice exclude each other: a real-time front end "
+                         "ignores its nice value; give instances theirs with instance_nice")
     if prefill_rt is not None and frontend_rt <= prefill_rt:
-        raise ValueError(f"--frontend-rt-priority ({frontend_rt}) must be above --prefill-rt-priority ({prefill_rt}), "
+        raise ValueError(f"frontend_rt_priority ({frontend_rt}) must be above prefill_rt_priority ({prefill_rt}), "
                          "or the front end still waits behind a prompt's forward")
 
 

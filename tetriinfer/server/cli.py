@@ -10,170 +10,178 @@ from typing import Any
 from tetriinfer.runtime.cluster_config import MODES
 
 
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama, made on first use)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "fast", "fast-shm"],
-                   help="auto: the HF folder; dummy: random weights; fast: a loading-optimized copy cached on first "
-                        "use (ServerlessLLM-style cold start); fast-shm: the same, mapped from one host-memory copy "
-                        "that every instance on this host shares")
-    p.add_argument("--mode", default="tetriinfer", choices=[*MODES, "single"],
-                   help="tetriinfer (disaggregated), distserve, colocated (vLLM-style), sarathi, single (in-process)")
-    p.add_argument("--prefill-instances", type=int, default=1)
-    p.add_argument("--decode-instances", type=int, default=1)
-    p.add_argument("--instances", type=int, default=2, help="instances in colocated modes")
-    p.add_argument("--cores-per-instance", type=int, default=1)
-    p.add_argument("--instance-nice", type=int, default=None, metavar="N",
-                   help="nice value of the instance processes (-20..19; below 0 needs root; default: the front "
-                        "end's): on a CPU, where each instance stands in for an accelerator, a negative value keeps "
-                        "the unpinned front end and load clients from delaying its steps (docs/instance_priority.md)")
-    p.add_argument("--prefill-rt-priority", type=int, default=None, metavar="N",
-                   help="run instances in the prefill role under SCHED_FIFO at priority N (1..99; needs root or "
-                        "CAP_SYS_NICE): a prompt's forward preempts the front end and load clients at once instead of "
-                        "waiting for the fair scheduler; given back on a flip to decode (docs/instance_priority.md). "
-                        "Default: off")
-    p.add_argument("--frontend-nice", type=int, default=None, metavar="N",
-                   help="nice value of the front end process (HTTP, routing, streaming), set before it starts "
-                        "the instances, which inherit it unless --instance-nice is given (default: unchanged)")
-    p.add_argument("--frontend-rt-priority", type=int, default=None, metavar="N",
-                   help="run the front end's threads under SCHED_FIFO at priority N (1..99; needs root or "
-                        "CAP_SYS_NICE), above --prefill-rt-priority: its short bursts (HTTP, streaming) then preempt a "
-                        "prompt's forward instead of waiting behind it on a shared core. Instances do not inherit it. "
-                        "Default: off (docs/instance_priority.md)")
-    p.add_argument("--frontend-cores", default=None, metavar="LIST",
-                   help="pin the front end's threads to these CPU cores (e.g. '0' or '0-1'), once the instances "
-                        "have started (they keep their own cores): on a CPU testbed, putting the front end on the "
-                        "prefill instance's core leaves the decode instance's core to its steps alone. Default: "
-                        "unpinned (docs/instance_priority.md)")
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--chunk-padding", default="auto", choices=["auto", "full", "none"],
-                   help="pad the last, partly filled prefill chunk to --chunk-size: full (the paper), none, or "
-                   "auto (pad on accelerators, not on CPU where every padded token costs compute)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="automatic prefix caching: a prompt's full KV blocks that an earlier request already "
-                        "computed (same leading tokens) are reused instead of prefilled again; freed cached blocks "
-                        "are evicted least recently used first (prefill and colocated instances)")
-    p.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --enable-prefix-caching: route each request to the prefill/colocated instance where "
-                        "queued prompt tokens + its own uncached prompt tokens are fewest (the front end models each "
-                        "instance's cache from what it routed there); --no-prefix-routing: least-loaded only")
-    p.add_argument("--cache-aware-prefill-order", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --enable-prefix-caching: --prefill-policy sjf/ljf/srtf rank a prompt by its tokens not "
-                        "found in the prefix cache (a long, mostly cached prompt is a short job); "
-                        "--no-cache-aware-prefill-order: by all its tokens")
-    p.add_argument("--prefill-merge-limit", type=int, default=None, metavar="TOKENS",
-                   help="prefill instances: a prompt joins a chunk behind another only while the chunk holds fewer "
-                        "than TOKENS tokens (and up to TOKENS in all); set it to the device's saturation threshold "
-                        "where every token past it costs time (a CPU: ~128), so merged tokens do not delay the first "
-                        "prompt's first token. Default: fill every chunk (the paper)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--prefill-policy", default="fcfs", choices=["fcfs", "sjf", "ljf", "srtf"])
-    p.add_argument("--prefill-sched-batch", type=int, default=16)
-    p.add_argument("--dispatch-policy", default="length-aware",
-                   choices=["length-aware", "random", "round-robin", "least-loaded", "imbalanced"])
-    p.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
-    p.add_argument("--heavy-decode-tokens", type=int, default=128)
-    p.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
-    p.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
-    p.add_argument("--kv-backend", default="tcp", help="tcp | shm | torchdist | nixl | faulty[:tcp|shm|torchdist]")
-    p.add_argument("--kv-transfer", default="request", choices=["request", "chunk"],
-                   help="send KV per request after prefill (paper) or block-wise while later chunks prefill")
-    p.add_argument("--kv-handoff", default="auto", choices=["auto", "push", "pull"],
-                   help="per-request KV path: push (the decode instance posts memory, the prefill instance sends "
-                        "into it), pull (the decode instance reads the staged KV one-sided, never waiting for a "
-                        "prefill forward to end), auto: pull on shm, push elsewhere")
-    p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
-    p.add_argument("--transfer-timeout", type=float, default=10.0)
-    p.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=False,
-                   help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
-                        "tier's backlog exceeds the interference that costs (disaggregated modes)")
-    p.add_argument("--local-prefill-weight", type=float, default=0.25,
-                   help="weight of the running decodes' delay against the request's own wait (0: TTFT only)")
-    p.add_argument("--keep-decode", action=argparse.BooleanOptionalAction, default=False,
-                   help="the reverse of --local-prefill: a prefill instance with no prompt queued keeps a request it "
-                        "just prefilled and decodes it itself (no KV transfer) while its own decodes are fewer than "
-                        "--keep-decode-ratio x the least-loaded decode instance's; prefill keeps priority there")
-    p.add_argument("--keep-decode-ratio", type=float, default=0.5)
-    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--flip-threshold", type=float, default=0.1)
-    p.add_argument("--flip-window", type=float, default=2.0)
-    p.add_argument("--flip-busy-threshold", type=float, default=0.5,
-                   help="flip only while the other role's mean load is at least this")
-    p.add_argument("--flip-idle-by", default="every", choices=["every", "mean"],
-                   help="an instance is idle for the window when every load report is below --flip-threshold "
-                        "(every) or their mean is (mean)")
-    p.add_argument("--flip-decode-load", default="busy", choices=["busy", "kv", "inflation"],
-                   help="what makes a decode instance count as loaded for flips: busy = max(busy fraction, KV usage) "
-                        "(a decode instance holding any request is busy), kv = KV usage only, inflation = max(KV "
-                        "usage, how much batching slows each step vs batch 1)")
-    p.add_argument("--report-interval", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--launcher", default="local", choices=["local", "ray"],
-                   help="where instance processes run: this machine (local) or the nodes of a Ray cluster (ray: one "
-                        "actor per instance holding --cores-per-instance CPUs, and a GPU on CUDA; control and KV "
-                        "traffic go between the nodes' addresses over our own TCP/NIXL path)")
-    p.add_argument("--replace-dead", action=argparse.BooleanOptionalAction, default=False,
-                   help="start a new instance in place of one that dies (its in-flight requests still end with an "
-                        "error); /cluster lists the events under 'scaling'")
-    scale = p.add_argument_group("autoscaling (core.scale_policy; changes the pool through the same paths as "
-                                 "POST/DELETE /cluster/instances)")
-    scale.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=False,
-                       help="add instances to a role whose mean load over the window is >= --autoscale-high "
-                            "(enough to bring it to the band's middle, at most --autoscale-max-step), remove the "
-                            "least-loaded of a role whose mean is <= --autoscale-low (drained first)")
-    scale.add_argument("--autoscale-high", type=float, default=0.8)
-    scale.add_argument("--autoscale-low", type=float, default=0.2)
-    scale.add_argument("--autoscale-window", type=float, default=5.0, help="seconds of load behind a decision")
-    scale.add_argument("--autoscale-cooldown", type=float, default=10.0, help="seconds after a change before the next")
-    scale.add_argument("--autoscale-max-instances", type=int, default=8)
-    scale.add_argument("--autoscale-max-step", type=int, default=4, help="most instances one scale-out adds")
-    scale.add_argument("--warm-spares", type=int, default=0,
-                       help="keep this many instance processes pre-started (modules imported) so that scale-out "
-                            "and --replace-dead skip the ~2 s of imports (on Ray: one actor each, placed when there is room)")
-    scale.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=False,
-                       help="move queued requests that have not started from a backed-up prefill (or colocated) "
-                            "instance to an idle peer, e.g. one just added (core.rebalance)")
-    scale.add_argument("--rebalance-min-queued", type=int, default=2,
-                       help="queued requests an instance needs before it gives any away")
-    scale.add_argument("--rebalance-max-move", type=int, default=16, help="most requests one move hands over")
-    scale.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=False,
-                       help="live-migrate running decodes with their KV between decode instances (or between "
-                            "colocated ones): an instance being removed or flipped hands them to its peers instead "
-                            "of waiting for them to finish, and an overloaded one sheds some to the least loaded "
-                            "(core.migration)")
-    scale.add_argument("--migrate-signal", default="kv", choices=["kv", "running"],
-                       help="what balancing evens out: KV usage (above --migrate-high sheds to one below "
-                            "--migrate-low) or running requests (a gap of --migrate-min-gap or more)")
-    scale.add_argument("--migrate-high", type=float, default=0.85)
-    scale.add_argument("--migrate-low", type=float, default=0.6)
-    scale.add_argument("--migrate-min-gap", type=int, default=4)
-    scale.add_argument("--migrate-max-per-move", type=int, default=8,
-                       help="most running requests one balancing move hands over")
-    scale.add_argument("--autoscale-decode-load", default="inflation", choices=["busy", "kv", "inflation"],
-                       help="how a decode instance's load is judged (see --flip-decode-load)")
-    p.add_argument("--instance-host", default="127.0.0.1",
-                   help="--launcher local: the address instances bind for control and KV traffic (::1: IPv6)")
-    p.add_argument("--startup-timeout", type=float, default=180.0,
-                   help="seconds to place every instance and hear from it before giving up (and stopping them all)")
-    p.add_argument("--ray-address", default="auto",
-                   help="with --launcher ray: auto (the cluster `ray start` made here), local (a private "
-                        "single-node Ray), or HOST:PORT of the head")
-    faults = p.add_argument_group("fault injection (testing; with --kv-backend faulty[:tcp|shm])")
-    faults.add_argument("--fault-drop-p", type=float, default=0.0)
-    faults.add_argument("--fault-delay-p", type=float, default=0.0)
-    faults.add_argument("--fault-corrupt-p", type=float, default=0.0)
+def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
+    """Every flag that shapes the cluster (shared by `serve` and the simulator's columns), in help groups;
+    returns the groups by name so that `serve` adds its own flags to them."""
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=None, help="HF model folder (default: the tiny llama, made on first use)")
+    model.add_argument("--served-model-name", default=None)
+    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    model.add_argument("--device", default="cpu")
+    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "fast", "fast-shm"],
+                       help="auto: the HF folder; dummy: random weights; fast: a loading-optimized copy cached on first "
+                            "use (ServerlessLLM-style cold start); fast-shm: the same, mapped from one host-memory copy "
+                            "that every instance on this host shares")
+    model.add_argument("--max-model-len", type=int, default=None)
+    model.add_argument("--seed", type=int, default=0)
+    par = p.add_argument_group("parallelism and modes")
+    par.add_argument("--mode", default="tetriinfer", choices=[*MODES, "single"],
+                     help="tetriinfer (disaggregated), distserve, colocated (vLLM-style), sarathi, single (in-process)")
+    par.add_argument("--prefill-instances", type=int, default=1)
+    par.add_argument("--decode-instances", type=int, default=1)
+    par.add_argument("--instances", type=int, default=2, help="instances in colocated modes")
+    par.add_argument("--cores-per-instance", type=int, default=1)
+    par.add_argument("--launcher", default="local", choices=["local", "ray"],
+                     help="where instance processes run: this machine (local) or the nodes of a Ray cluster (ray: one "
+                          "actor per instance holding --cores-per-instance CPUs, and a GPU on CUDA; control and KV "
+                          "traffic go between the nodes' addresses over our own TCP/NIXL path)")
+    par.add_argument("--ray-address", default="auto",
+                     help="with --launcher ray: auto (the cluster `ray start` made here), local (a private "
+                          "single-node Ray), or HOST:PORT of the head")
+    par.add_argument("--instance-host", default="127.0.0.1",
+                     help="--launcher local: the address instances bind for control and KV traffic (::1: IPv6)")
+    par.add_argument("--startup-timeout", type=float, default=180.0,
+                     help="seconds to place every instance and hear from it before giving up (and stopping them all)")
+    par.add_argument("--cpu-layout", default="none", metavar="auto|none|FILE",
+                     help="CPU hosts: placement and priority of the instance and front-end processes. none: "
+                          "unchanged; auto: the layout measured best (front end pinned beside the first "
+                          "(prefill) instance, SCHED_FIFO where permitted; logged at start); FILE: a TOML file of "
+                          "the individual knobs (docs/side_by_side.md#cpu-layout)")
+    sched = p.add_argument_group("scheduling", "chunked prefill, length-aware dispatch, decode admission, KV memory")
+    sched.add_argument("--chunk-size", type=int, default=512)
+    sched.add_argument("--chunk-padding", default="auto", choices=["auto", "full", "none"],
+                       help="pad the last, partly filled prefill chunk to --chunk-size: full (the paper), none, or "
+                       "auto (pad on accelerators, not on CPU where every padded token costs compute)")
+    sched.add_argument("--prefill-merge-limit", type=int, default=None, metavar="TOKENS",
+                       help="prefill instances: a prompt joins a chunk behind another only while the chunk holds fewer "
+                            "than TOKENS tokens (and up to TOKENS in all); set it to the device's saturation threshold "
+                            "where every token past it costs time (a CPU: ~128), so merged tokens do not delay the first "
+                            "prompt's first token. Default: fill every chunk (the paper)")
+    sched.add_argument("--max-num-seqs", type=int, default=256)
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sched.add_argument("--prefill-policy", default="fcfs", choices=["fcfs", "sjf", "ljf", "srtf"])
+    sched.add_argument("--prefill-sched-batch", type=int, default=16)
+    sched.add_argument("--dispatch-policy", default="length-aware",
+                       choices=["length-aware", "random", "round-robin", "least-loaded", "imbalanced"])
+    sched.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
+    sched.add_argument("--heavy-decode-tokens", type=int, default=128)
+    sched.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
+    sched.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
+    sched.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=False,
+                       help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
+                            "tier's backlog exceeds the interference that costs (disaggregated modes)")
+    sched.add_argument("--local-prefill-weight", type=float, default=0.25,
+                       help="weight of the running decodes' delay against the request's own wait (0: TTFT only)")
+    sched.add_argument("--keep-decode", action=argparse.BooleanOptionalAction, default=False,
+                       help="the reverse of --local-prefill: a prefill instance with no prompt queued keeps a request it "
+                            "just prefilled and decodes it itself (no KV transfer) while its own decodes are fewer than "
+                            "--keep-decode-ratio x the least-loaded decode instance's; prefill keeps priority there")
+    sched.add_argument("--keep-decode-ratio", type=float, default=0.5)
+    sched.add_argument("--block-size", type=int, default=16)
+    sched.add_argument("--num-kv-blocks", type=int, default=None)
+    sched.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    sched.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                       help="automatic prefix caching: a prompt's full KV blocks that an earlier request already "
+                            "computed (same leading tokens) are reused instead of prefilled again; freed cached blocks "
+                            "are evicted least recently used first (prefill and colocated instances)")
+    sched.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --enable-prefix-caching: route each request to the prefill/colocated instance where "
+                            "queued prompt tokens + its own uncached prompt tokens are fewest (the front end models each "
+                            "instance's cache from what it routed there); --no-prefix-routing: least-loaded only")
+    sched.add_argument("--cache-aware-prefill-order", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --enable-prefix-caching: --prefill-policy sjf/ljf/srtf rank a prompt by its tokens not "
+                            "found in the prefix cache (a long, mostly cached prompt is a short job); "
+                            "--no-cache-aware-prefill-order: by all its tokens")
+    kv = p.add_argument_group("KV transfer", "links between prefill and decode instances; fault injection for tests "
+                           "(--kv-backend faulty[:tcp|shm])")
+    kv.add_argument("--kv-backend", default="tcp", help="tcp | shm | torchdist | nixl | faulty[:tcp|shm|torchdist]")
+    kv.add_argument("--kv-transfer", default="request", choices=["request", "chunk"],
+                    help="send KV per request after prefill (paper) or block-wise while later chunks prefill")
+    kv.add_argument("--kv-handoff", default="auto", choices=["auto", "push", "pull"],
+                    help="per-request KV path: push (the decode instance posts memory, the prefill instance sends "
+                         "into it), pull (the decode instance reads the staged KV one-sided, never waiting for a "
+                         "prefill forward to end), auto: pull on shm, push elsewhere")
+    kv.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
+    kv.add_argument("--transfer-timeout", type=float, default=10.0)
+    kv.add_argument("--fault-drop-p", type=float, default=0.0)
+    kv.add_argument("--fault-delay-p", type=float, default=0.0)
+    kv.add_argument("--fault-corrupt-p", type=float, default=0.0)
+    elastic = p.add_argument_group("elasticity", "flips, autoscaling (core.scale_policy; the same paths as "
+                                "POST/DELETE /cluster/instances), rebalancing and live migration")
+    elastic.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
+    elastic.add_argument("--flip-threshold", type=float, default=0.1)
+    elastic.add_argument("--flip-window", type=float, default=2.0)
+    elastic.add_argument("--flip-busy-threshold", type=float, default=0.5,
+                         help="flip only while the other role's mean load is at least this")
+    elastic.add_argument("--flip-idle-by", default="every", choices=["every", "mean"],
+                         help="an instance is idle for the window when every load report is below --flip-threshold "
+                              "(every) or their mean is (mean)")
+    elastic.add_argument("--flip-decode-load", default="busy", choices=["busy", "kv", "inflation"],
+                         help="what makes a decode instance count as loaded for flips: busy = max(busy fraction, KV usage) "
+                              "(a decode instance holding any request is busy), kv = KV usage only, inflation = max(KV "
+                              "usage, how much batching slows each step vs batch 1)")
+    elastic.add_argument("--replace-dead", action=argparse.BooleanOptionalAction, default=False,
+                         help="start a new instance in place of one that dies (its in-flight requests still end with an "
+                              "error); /cluster lists the events under 'scaling'")
+    elastic.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=False,
+                         help="add instances to a role whose mean load over the window is >= --autoscale-high "
+                              "(enough to bring it to the band's middle, at most --autoscale-max-step), remove the "
+                              "least-loaded of a role whose mean is <= --autoscale-low (drained first)")
+    elastic.add_argument("--autoscale-high", type=float, default=0.8)
+    elastic.add_argument("--autoscale-low", type=float, default=0.2)
+    elastic.add_argument("--autoscale-window", type=float, default=5.0, help="seconds of load behind a decision")
+    elastic.add_argument("--autoscale-cooldown", type=float, default=10.0, help="seconds after a change before the next")
+    elastic.add_argument("--autoscale-max-instances", type=int, default=8)
+    elastic.add_argument("--autoscale-max-step", type=int, default=4, help="most instances one scale-out adds")
+    elastic.add_argument("--autoscale-decode-load", default="inflation", choices=["busy", "kv", "inflation"],
+                         help="how a decode instance's load is judged (see --flip-decode-load)")
+    elastic.add_argument("--warm-spares", type=int, default=0,
+                         help="keep this many instance processes pre-started (modules imported) so that scale-out "
+                              "and --replace-dead skip the ~2 s of imports (on Ray: one actor each, placed when there is room)")
+    elastic.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=False,
+                         help="move queued requests that have not started from a backed-up prefill (or colocated) "
+                              "instance to an idle peer, e.g. one just added (core.rebalance)")
+    elastic.add_argument("--rebalance-min-queued", type=int, default=2,
+                         help="queued requests an instance needs before it gives any away")
+    elastic.add_argument("--rebalance-max-move", type=int, default=16, help="most requests one move hands over")
+    elastic.add_argument("--migrate", action=argparse.BooleanOptionalAction, default=False,
+                         help="live-migrate running decodes with their KV between decode instances (or between "
+                              "colocated ones): an instance being removed or flipped hands them to its peers instead "
+                              "of waiting for them to finish, and an overloaded one sheds some to the least loaded "
+                              "(core.migration)")
+    elastic.add_argument("--migrate-signal", default="kv", choices=["kv", "running"],
+                         help="what balancing evens out: KV usage (above --migrate-high sheds to one below "
+                              "--migrate-low) or running requests (a gap of --migrate-min-gap or more)")
+    elastic.add_argument("--migrate-high", type=float, default=0.85)
+    elastic.add_argument("--migrate-low", type=float, default=0.6)
+    elastic.add_argument("--migrate-min-gap", type=int, default=4)
+    elastic.add_argument("--migrate-max-per-move", type=int, default=8,
+                         help="most running requests one balancing move hands over")
+    obs = p.add_argument_group("observability")
+    obs.add_argument("--report-interval", type=float, default=0.1)
+    return {"model": model, "parallelism": par, "scheduling": sched, "kv": kv, "elasticity": elastic,
+            "observability": obs}
 
 
-def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
+def serve_cpu_layout(args: argparse.Namespace) -> Any:
+    """The ``CpuLayout`` that ``--cpu-layout`` names for this deployment (``auto`` resolved here)."""
+    from tetriinfer.runtime.cpu_layout import auto_layout, load_layout, realtime_permitted
+
+    layout = load_layout(args.cpu_layout)
+    if layout is not None:
+        return layout
+    disaggregated = args.mode in ("tetriinfer", "distserve")
+    instances = args.prefill_instances + args.decode_instances if disaggregated else args.instances
+    return auto_layout(mode=args.mode, instances=instances, cores_per_instance=args.cores_per_instance,
+                       device=args.device, launcher=args.launcher, keep_decode=args.keep_decode,
+                       ncpu=os.cpu_count() or 1, realtime_ok=realtime_permitted())
+
+
+def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any = None) -> Any:
+    """The ``ClusterConfig`` of parsed serve flags; ``layout``: an already resolved ``--cpu-layout``."""
     from tetriinfer.runtime.cluster_config import ClusterConfig
 
+    layout = layout if layout is not None else serve_cpu_layout(args)
     return ClusterConfig(
         model=model, mode=args.mode, dtype=args.dtype, device=args.device, load_format=args.load_format,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
@@ -195,7 +203,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
         flip_idle_by=args.flip_idle_by,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance,
-        instance_nice=args.instance_nice, prefill_rt_priority=args.prefill_rt_priority, seed=args.seed,
+        instance_nice=layout.instance_nice, prefill_rt_priority=layout.prefill_rt_priority, seed=args.seed,
         launcher=args.launcher, ray_address=args.ray_address, startup_timeout_s=args.startup_timeout,
         replace_dead=args.replace_dead, autoscale=args.autoscale, autoscale_high=args.autoscale_high,
         autoscale_low=args.autoscale_low, autoscale_window_s=args.autoscale_window,
@@ -209,7 +217,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
     )
 
 
-def build_client(args: argparse.Namespace) -> Any:
+def build_client(args: argparse.Namespace, layout: Any = None) -> Any:
     model = args.model
     if model is None:
         from tetriinfer.engine.make_model import default_model_path
@@ -232,25 +240,23 @@ def build_client(args: argparse.Namespace) -> Any:
         return InProcessEngineClient(cfg, model_name=name), name
     from tetriinfer.runtime.cluster import ClusterEngineClient
 
-    return ClusterEngineClient(cluster_config_from_args(args, model), model_name=name), name
+    return ClusterEngineClient(cluster_config_from_args(args, model, layout), model_name=name), name
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tetriinfer.runtime.priority import (
-        apply_affinity,
-        apply_nice,
-        apply_realtime,
-        check_frontend_priorities,
-        parse_cores,
-    )
+    from tetriinfer.runtime.priority import apply_affinity, apply_nice, apply_realtime
     from tetriinfer.server.app import build_app
 
-    check_frontend_priorities(args.frontend_rt_priority, args.frontend_nice, args.prefill_rt_priority)
-    frontend_cores = parse_cores(args.frontend_cores) if args.frontend_cores is not None else None
-    apply_nice(args.frontend_nice, "front end")
-    rt = args.frontend_rt_priority
+    layout = serve_cpu_layout(args)
+    if not layout.is_empty or layout.source != "none":
+        print(layout.describe(), file=sys.stderr, flush=True)
+        for note in layout.notes:
+            print(f"  {note}", file=sys.stderr, flush=True)
+    frontend_cores = layout.frontend_cores
+    apply_nice(layout.frontend_nice, "front end")
+    rt = layout.frontend_rt_priority
 
     def take_realtime() -> None:  # at start, and again once the client has started its threads (ZeroMQ I/O)
         apply_realtime(rt, "front end", reset_on_fork=True)
@@ -262,7 +268,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if rt is not None:
         take_realtime()
-    client, name = build_client(args)
+    client, name = build_client(args, layout)
     app = build_app(client, served_model_name=name, api_key=args.api_key,
                     after_start=after_start if rt is not None or frontend_cores is not None else None)
     if hasattr(client, "metrics"):
@@ -279,11 +285,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def add_subparsers(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible server")
-    add_cluster_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--log-level", default="warning")
+    groups = add_cluster_args(p)
+    api = p.add_argument_group("API and security")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--api-key", default=None, help="require this bearer token on every /v1 request")
+    groups["observability"].add_argument("--log-level", default="warning")
     p.set_defaults(handler=_serve)
 
 
