@@ -1,4 +1,4 @@
-"""Engine speed benchmark (issue 2, "Speed"): the small Llama on this machine, in one run.
+"""Engine speed benchmark: the small Llama on this machine, in one run.
 
 (a) end-to-end: the first N rows of the Azure conversation trace (prompts cut to 1,024 tokens, outputs to
     256, random token ids), each generating exactly its output length: wall time of ``LLM.generate`` vs

@@ -39,7 +39,7 @@ from tetriinfer.engine.engine_config import EngineConfig
 from tetriinfer.engine.llm_engine import LLMEngine
 
 class FifoPool(BlockPool):
-    # the order before stop 26: never-used blocks first, then freed ones, least recently freed first
+    # the former order: never-used blocks first, then freed ones, least recently freed first
     def _take(self):
         if self._frontier < self.num_blocks:
             self._frontier += 1
