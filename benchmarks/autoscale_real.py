@@ -7,7 +7,7 @@ a user would turn on with it). Prints TTFT / JCT per phase and overall, and prov
 run (fixed: instances x duration; autoscaled: integrated from the server's own scaling log, an instance counting
 from its add decision to the end of its drain), with ratios against the fixed pool of 2.
 
-    python benchmarks/autoscale_real.py --out docs/autoscale_real.md
+    python benchmarks/autoscale_real.py --out report.md
 """
 
 from __future__ import annotations

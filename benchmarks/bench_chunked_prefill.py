@@ -6,7 +6,7 @@ the prompt's chunks back to back (the last one samples); best of --repeats, whol
 each repeat so a noisy spell hits both. Prints a markdown table of ms and the chunked / whole ratio (what chunking
 adds to a lone prompt's TTFT on this device), and writes it to --out.
 
-    python benchmarks/bench_chunked_prefill.py --out docs/chunked_prefill.md
+    python benchmarks/bench_chunked_prefill.py --out report.md
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the engine's runner (one torch thread, as a serving instance), best of --repeats
 (kernels on, off, on, off, ... --rounds each; best per setting), so a noisy spell hits both sides.
 ``--baseline-rev REV`` adds a third setting: the kernels built from ``decode_kernels.c`` as it was at git revision
 REV (a kernel change measured against its predecessor in the same run).
-Usage: python benchmarks/bench_decode_kernels.py [--baseline-rev HEAD~1] [--out docs/decode_kernels.md]
+Usage: python benchmarks/bench_decode_kernels.py [--baseline-rev HEAD~1] [--out report.md]
 """
 
 from __future__ import annotations

@@ -583,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="(b)/(c): rounds of steps alternating with the bandwidth / peak measurements")
     ap.add_argument("--steps-only", action="store_true",
                     help="measure only (b) decode bandwidth and (c) prefill peak fractions (minutes, not the hour "
-                         "HF's baseline takes); writes docs/engine_steps.md unless --out is given")
+                         "HF's baseline takes); writes docs/engine.md unless --out is given")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     cfg = BenchConfig(

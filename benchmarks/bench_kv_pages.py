@@ -11,7 +11,7 @@ prompts of ``--prompt-tokens`` tokens, one at a time, each prefilled (one forwar
 then the same number of KV hand-off installs (``write_blocks`` of one request's KV into blocks the pool
 allocates, as a decode instance does on a hand-off). Median per request; settings alternate over ``--rounds``.
 
-    python benchmarks/bench_kv_pages.py [--out docs/kv_pages.md]
+    python benchmarks/bench_kv_pages.py [--out report.md]
 """
 
 from __future__ import annotations

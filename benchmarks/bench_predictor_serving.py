@@ -6,7 +6,7 @@ Usage: python benchmarks/bench_predictor_serving.py --predictor DIR [--model DIR
 Each configuration serves the same workload (arrivals at time 0 = "extreme load", as the paper measured
 its ~10% cost, plus an open-loop rate) through `tetriinfer serve --mode tetriinfer` (1 prefill + 1 decode
 instance, each pinned to one core). Prints a markdown table with ratios to ``none`` and writes it to
-docs/predictor_serving.md.
+docs/predictor.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Two measurements per prompt length, one torch thread (as a serving instance):
 - whole prefill forwards of one prompt through the engine's runner (first chunk, no cache), in alternating
   subprocesses (on, off, on, off, ... --rounds each; best per setting), so a noisy spell hits both sides.
 Only on CPUs with AVX-512 BF16 and no AMX (elsewhere the kernel is not used): it prints that and exits 1.
-Usage: python benchmarks/bench_prefill_attention.py [--lengths 128,256,512,1024] [--out docs/prefill_attention.md]
+Usage: python benchmarks/bench_prefill_attention.py [--lengths 128,256,512,1024] [--out report.md]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Everything is measured in the same run (the machine is shared and noisy) and rep
 - chunk-wise overlap: N prefill chunks (real torch matmuls) with each chunk's KV sent over a paced link as the
   chunk completes, vs sending everything after prefill; reports the share of transfer time hidden by compute.
 Goals: shm >= 50% of memcpy, tcp >= 70% of raw socket, overlap hides >= 80%.
-Usage: python benchmarks/bench_transfer.py [--quick] [--out docs/transfer.md]
+Usage: python benchmarks/bench_transfer.py [--quick] [--out report.md]
 """
 
 from __future__ import annotations

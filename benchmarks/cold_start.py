@@ -16,7 +16,7 @@ Cold = the OS page cache dropped before the process starts (``/proc/sys/vm/drop_
 ``safetensors`` in the same condition. A second section starts two instances at once and sums their
 proportional set size (PSS): with ``fast-shm`` the weights are in memory once per host.
 
-    python benchmarks/cold_start.py --preset medium --dtype bfloat16 --repeats 3 --out docs/cold_start.md
+    python benchmarks/cold_start.py --preset medium --dtype bfloat16 --repeats 3 --out report.md
 """
 
 from __future__ import annotations

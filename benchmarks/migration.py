@@ -16,7 +16,7 @@ Three experiments, each run once without and once with `--migrate` (`--kv-backen
 
 Prints a table with ratios (migrate / none) and writes it with `--out`.
 
-    python benchmarks/migration.py --out docs/migration.md
+    python benchmarks/migration.py --out report.md
 """
 
 from __future__ import annotations

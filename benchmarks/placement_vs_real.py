@@ -5,10 +5,10 @@ Reads a real `tetriinfer bench side-by-side` run made with SLOs (`--slo-ttft/--s
 evaluation -- the same requests (workload, seed, count, caps), the same rate, the column's serve arguments -- and
 prints, per cell, the measured and simulated share of requests meeting every SLO, plus whether the two agree on
 the best column at each rate. Cost model: a `tetriinfer profile` JSON plus the step overhead and front-end delay
-that docs/sim_validation.md read off this machine's floors.
+that docs/simulator.md read off this machine's floors.
 
     python benchmarks/placement_vs_real.py --real /tmp/sbs.json --raw /tmp/raw.json \
-        --profile docs/sim/tiny_llama_profile.json --out docs/placement_validation.md
+        --profile docs/sim/tiny_llama_profile.json --out report.md
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> int:
     lines = ["# Placement search vs the real system: SLO attainment per layout", "",
              f"Real run: `{meta.get('command', '')}`", "",
              f"Simulated: the same requests and rates, cost model = `{args.profile}` + {args.step_overhead_ms:g} ms "
-             f"per step, {args.frontend_delay_ms:g} ms front end (docs/sim_validation.md). Real attainment is the "
+             f"per step, {args.frontend_delay_ms:g} ms front end (docs/simulator.md). Real attainment is the "
              "run's records re-scored under each SLO. Best: the highest attainment; real attainments within "
              f"{args.tie:.0%} of the best tie.", "",
              "| SLO TTFT / TPOT ms | workload @ load | rate req/s | "

@@ -16,7 +16,7 @@ cached). `--vllm`: also `vllm serve` (vLLM's CPU build in its own venv, `benchma
 JCT mean and p99, the prompt tokens the server found cached (its `/metrics`, `bench.server_usage`), the
 instances' busy seconds (ours only: vLLM exports none), and the ratios cached / uncached.
 
-    python benchmarks/prefix_caching.py --out docs/prefix_caching.md
+    python benchmarks/prefix_caching.py --out report.md
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ instance's hello: process start, imports, weight load, KV allocation) and the cl
 request then checks the new instance serves, and `DELETE` removes it again (drain-then-retire). Prints the mean
 of each and the ratio warm / cold.
 
-    python benchmarks/scale_out.py --out docs/scale_out.md
+    python benchmarks/scale_out.py --out report.md
 """
 
 from __future__ import annotations

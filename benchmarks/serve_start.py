@@ -8,7 +8,7 @@ interleaved, `--repeats` times; ratios are against `auto` (the HF folder). The f
 timing (first-use conversion is a one-time cost, reported separately); `fast-shm` is timed both as the first
 server on the host (reads the weights into /dev/shm) and as a later one (maps them).
 
-    python benchmarks/serve_start.py --model /path/to/medium-llama --dtype bfloat16 --out docs/serve_start.md
+    python benchmarks/serve_start.py --model /path/to/medium-llama --dtype bfloat16 --out report.md
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ simulated mean TTFT, mean JCT and resource usage, and -- what the simulator is f
 colocated, real vs simulated. Writes a markdown report (and JSON with ``--json``).
 
     python benchmarks/sim_vs_real.py --real docs/side_by_side_rounds4.json --profile docs/sim/tiny_llama_profile.json \
-        --out docs/sim_validation.md
+        --out report.md
 
 The real runs are noisy (a shared 2-core machine: the same comparison moves 5-10 points between runs); read
 the error columns against that spread.
