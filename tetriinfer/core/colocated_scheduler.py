@@ -200,7 +200,7 @@ class _ColocatedBase(Detachable):
 
     def _segments(self, reqs: list[Request]) -> list[ScheduledSegment]:
         return [
-            _segment(r, r.num_computed_tokens, r.num_uncomputed_tokens, self.kv.block_table(r.request_id))
+            _segment(r, r.num_computed_tokens, r.num_uncomputed_tokens, self.kv.block_ids(r.request_id))
             for r in reqs
         ]
 
@@ -302,7 +302,7 @@ class SarathiScheduler(_ColocatedBase):
                     self._end_in_schedule(self.waiting[0])  # can never fit
             for s in chunk.slices:
                 req = self._table[s.request_id]
-                segments.append(_segment(req, s.start, s.num_tokens, self.kv.block_table(s.request_id)))
+                segments.append(_segment(req, s.start, s.num_tokens, self.kv.block_ids(s.request_id)))
             n_prefill = len(chunk.slices)
         if n_prefill and scheduled:
             kind = StepKind.MIXED

@@ -316,12 +316,15 @@ class DecodeScheduler(Detachable):
         preempted: list[str] = []
         resumed = self._resume(swapped_in)
         scheduled: list[Request] = []
+        kv, target, running = self.kv, self._target, self.running
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            if self.kv.allocate_slots(req.request_id, req.num_tokens):
-                if self.kv.num_blocks_of(req.request_id) > self._target[req.request_id]:
-                    self._target[req.request_id] = self.kv.num_blocks_of(req.request_id)
+        while i < len(running):
+            req = running[i]
+            rid = req.request_id
+            if kv.allocate_slots(rid, len(req.prompt_token_ids) + len(req.output_token_ids)):
+                held = kv.num_blocks_of(rid)
+                if held > target[rid]:
+                    target[rid] = held
                     self.num_extensions += 1
                 scheduled.append(req)
                 i += 1
@@ -344,6 +347,7 @@ class DecodeScheduler(Detachable):
             preempted.append(victim.request_id)
         segments = []
         prefill_budget = self.config.local_prefill_chunk
+        n_prefill = 0
         for r in scheduled:
             n = r.num_uncomputed_tokens
             if not r.output_token_ids:  # prefilling here (admit_local): a chunk per step, within the budget
@@ -351,8 +355,9 @@ class DecodeScheduler(Detachable):
                 if n == 0:
                     continue  # the budget went to older requests' prompts; it keeps its blocks and waits
                 prefill_budget -= n
-            segments.append(_segment(r, r.num_computed_tokens, n, self.kv.block_table(r.request_id)))
-        n_prefill = sum(1 for s in segments if s.num_tokens > 1 or s.start == 0)
+            start = r.num_computed_tokens
+            n_prefill += n > 1 or start == 0
+            segments.append(_segment(r, start, n, kv.block_ids(r.request_id)))
         if not segments:
             kind = StepKind.IDLE
         elif n_prefill == 0:
@@ -423,18 +428,23 @@ class DecodeScheduler(Detachable):
         new_tokens: dict[str, int] = {}
         finished: list[Request] = list(self._ended_in_schedule)
         self._ended_in_schedule.clear()
+        held = self._table.get
+        sampled, logprobs = result.sampled_token_ids, result.logprobs
+        max_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
         for seg in output.segments:
-            req = self._table.get(seg.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:  # aborted while the step ran
+            rid = seg.request_id
+            req = held(rid)
+            if req is None or req.status is not running:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = seg.end
+            req.num_computed_tokens = seg.start + len(seg.token_ids)
             if not seg.sample:
                 continue
-            token = result.sampled_token_ids[seg.request_id]
-            req.append_output(token, result.logprobs.get(seg.request_id))
-            new_tokens[req.request_id] = token
+            token = sampled[rid]
+            req.append_output(token, logprobs.get(rid) if logprobs else None)
+            new_tokens[rid] = token
             stop = req.check_stop()
-            if stop is None and req.num_tokens >= self.config.max_model_len:
+            if stop is None and len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
                 stop = RequestStatus.FINISHED_LENGTH
             if stop is not None:
                 self._table.mark_finished(req, stop)

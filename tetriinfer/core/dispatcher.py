@@ -127,9 +127,10 @@ class Dispatcher:
         decode_tokens = max(1, predicted_lower or 0)
         # A need above an instance's whole pool is capped at the pool (as the decode reservation is):
         # an empty instance is always in alpha, so a request never waits for memory that cannot exist.
+        need = prompt_tokens + decode_tokens  # tokens; each instance's blocks_for_tokens, inline (one pass per request)
         alpha = [
             r for r in cands
-            if r.num_free_blocks >= min(r.num_blocks, r.blocks_for_tokens(prompt_tokens + decode_tokens))
+            if r.num_free_blocks >= min(r.num_free_blocks + r.num_used_blocks, -(-need // r.block_size))
         ]
         alpha_ids = tuple(r.instance_id for r in alpha)
         if not alpha:

@@ -144,9 +144,11 @@ class FlipPolicy:
     def annotate(self, reports: Sequence[LoadReport]) -> list[LoadReport]:
         """The reports with the monitor's role and state stamped on them (what gets broadcast)."""
         out = []
+        roles, states = self._role, self._state
         for r in reports:
-            if r.instance_id in self._role:
-                r = dataclasses.replace(r, role=self._role[r.instance_id], state=self._state[r.instance_id])
+            role = roles.get(r.instance_id)
+            if role is not None and (role is not r.role or states[r.instance_id] is not r.state):
+                r = dataclasses.replace(r, role=role, state=states[r.instance_id])  # equal values: the same report
             out.append(r)
         return out
 

@@ -28,6 +28,9 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self._tables: dict[str, list[int]] = {}
+        # request -> its table as a tuple, made on first ask after a change (a decode step asks for every running
+        # request's table, which grows one block per block_size tokens): dropped whenever the table changes
+        self._frozen: dict[str, tuple[int, ...]] = {}
         self.prefix_cache: PrefixCache | None = None
         self._digests: dict[str, list[bytes]] = {}  # request -> chained digests of its full blocks known so far
         self._named: dict[str, int] = {}  # request -> how many of its leading blocks ``cache_computed`` named
@@ -63,6 +66,13 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
 
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table as a tuple (the same blocks as ``block_table``; shared, never mutated)."""
+        frozen = self._frozen.get(request_id)
+        if frozen is None:
+            frozen = self._frozen[request_id] = tuple(self._tables.get(request_id, ()))
+        return frozen
+
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
 
@@ -76,14 +86,21 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to cover ``num_tokens`` positions. All-or-nothing."""
-        need = self.blocks_needed(request_id, num_tokens)
-        if need == 0:
-            self._tables.setdefault(request_id, [])
+        table = self._tables.get(request_id)
+        # blocks_needed, inline: this runs once per running request per step
+        need = -(-num_tokens // self.pool.block_size) - (len(table) if table is not None else 0)
+        if need <= 0:
+            if table is None:
+                self._tables[request_id] = []
             return True
         blocks = self.pool.allocate(need)
         if blocks is None:
             return False
-        self._tables.setdefault(request_id, []).extend(blocks)
+        if table is None:
+            self._tables[request_id] = blocks
+        else:
+            table.extend(blocks)
+        self._frozen.pop(request_id, None)
         return True
 
     def free_request(self, request_id: str) -> int:
@@ -92,6 +109,7 @@ class KVCacheManager:
         self._digests.pop(request_id, None)
         self._named.pop(request_id, None)
         self._lookups.pop(request_id, None)
+        self._frozen.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if not table:
             return 0
@@ -142,6 +160,7 @@ class KVCacheManager:
         for b in blocks:
             self.pool.acquire(b)
         self._tables[req.request_id] = blocks
+        self._frozen.pop(req.request_id, None)
         self._named[req.request_id] = len(blocks)
         req.num_computed_tokens = len(blocks) * self.block_size
         return req.num_computed_tokens

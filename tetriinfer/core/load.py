@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -119,7 +120,11 @@ def load_key(report: LoadReport, extra_tokens: int = 0) -> tuple[float, int, str
 
 def accepting(reports: Iterable[LoadReport], role: Role) -> list[LoadReport]:
     """The reports of ACTIVE instances of ``role``, sorted by instance id."""
-    return sorted((r for r in reports if r.role is role and r.accepting), key=lambda r: r.instance_id)
+    active = InstanceState.ACTIVE
+    return sorted([r for r in reports if r.role is role and r.state is active], key=_instance_id)
+
+
+_instance_id = operator.attrgetter("instance_id")
 
 
 def least_loaded(reports: Sequence[LoadReport]) -> LoadReport | None:

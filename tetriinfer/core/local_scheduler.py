@@ -58,18 +58,17 @@ def prefill_candidates(order: Iterable[Request], kv: KVCacheManager) -> Iterator
         yield r.request_id, r.num_computed_tokens, r.num_uncomputed_tokens
 
 
-def _segment(req: Request, start: int, n: int, table: list[int]) -> ScheduledSegment:
+def _segment(req: Request, start: int, n: int, table: tuple[int, ...]) -> ScheduledSegment:
+    """Positions ``[start, start + n)`` of ``req`` with its block table (``KVCacheManager.block_ids``)."""
     end = start + n
-    return ScheduledSegment(
-        request_id=req.request_id,
-        start=start,
-        token_ids=tuple(req.token_ids_range(start, end)),
-        block_table=tuple(table),
-        sample=end == req.num_tokens,
-        sampling_params=req.sampling_params,
-        num_output_tokens=req.num_output_tokens,
-        eos_token_id=req.eos_token_id,
-    )
+    n_prompt = len(req.prompt_token_ids)
+    n_out = len(req.output_token_ids)
+    if start == n_prompt + n_out - 1 and n == 1 and n_out:  # a decode row: the newest output token
+        token_ids: tuple[int, ...] = (req.output_token_ids[-1],)
+    else:
+        token_ids = tuple(req.token_ids_range(start, end))
+    return ScheduledSegment(req.request_id, start, token_ids, table, end == n_prompt + n_out, req.sampling_params,
+                            n_out, req.eos_token_id)
 
 
 class LocalScheduler:
@@ -172,7 +171,7 @@ class LocalScheduler:
         segments = []
         for s in chunk.slices:
             req = self._table[s.request_id]
-            segments.append(_segment(req, s.start, s.num_tokens, self.kv.block_table(s.request_id)))
+            segments.append(_segment(req, s.start, s.num_tokens, self.kv.block_ids(s.request_id)))
         return SchedulerOutput(
             step_id=self._step_id,
             kind=StepKind.PREFILL,
@@ -203,7 +202,7 @@ class LocalScheduler:
             if victim is req:
                 continue
         segments = tuple(
-            _segment(r, r.num_computed_tokens, 1, self.kv.block_table(r.request_id)) for r in scheduled
+            _segment(r, r.num_computed_tokens, 1, self.kv.block_ids(r.request_id)) for r in scheduled
         )
         kind = StepKind.DECODE if segments else StepKind.IDLE
         return SchedulerOutput(

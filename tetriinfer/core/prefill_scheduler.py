@@ -193,7 +193,7 @@ class PrefillScheduler:
             return SchedulerOutput(self._step_id, StepKind.IDLE, finished_request_ids=finished_ids)
         self.queue.note_served(s.request_id for s in chunk.slices)
         segments = tuple(
-            _segment(self._table[s.request_id], s.start, s.num_tokens, self.kv.block_table(s.request_id))
+            _segment(self._table[s.request_id], s.start, s.num_tokens, self.kv.block_ids(s.request_id))
             for s in chunk.slices
         )
         return SchedulerOutput(

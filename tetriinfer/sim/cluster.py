@@ -466,7 +466,7 @@ class SimCluster:
         decode_loads = [r for r in reports if r.role is Role.DECODE]
         for inst in self.instances.values():
             if isinstance(inst, SimPrefill):
-                inst.decode_loads = list(decode_loads)
+                inst.decode_loads = decode_loads  # shared: a dispatcher's charges make it a new list, never mutate
                 inst.kick()  # dispatches waiting for a decode instance retry on fresh loads
         self._route_pending()
         if self._open:

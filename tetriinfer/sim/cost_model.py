@@ -170,6 +170,19 @@ class RooflineCostModel:
             raise ValueError("step_overhead_s must be >= 0")
         if self.tensor_parallel < 1:
             raise ValueError("tensor_parallel must be >= 1")
+        # constants of every step's arithmetic, computed once (step_seconds runs for every simulated step); the
+        # same expressions in the same order as spelled out in ``step_seconds``, so the floats are identical
+        tp, m = self.tensor_parallel, self.model
+        lm_head = m.vocab_size * m.hidden_size
+        layer = m.num_params() - lm_head * (1 if m.tie_word_embeddings else 2)
+        peak = self.hardware.peak_flops * self.mfu * tp
+        bw = self.hardware.mem_bandwidth_Bps * self.mbu * tp
+        consts = {"_peak": peak, "_bw": bw, "_linear_flops": 2.0 * layer, "_linear_read_s": layer * self.dtype_bytes / bw,
+                  "_head_flops": 2.0 * lm_head, "_head_read_s": lm_head * self.dtype_bytes / bw,
+                  "_attn_flops": 4.0 * m.num_layers * (m.num_heads * m.head_dim),
+                  "_kv_per_token": kv_bytes_per_token(m, self.dtype_bytes)}
+        for name, value in consts.items():
+            object.__setattr__(self, name, value)
 
     @property
     def lm_head_params(self) -> int:
@@ -195,21 +208,30 @@ class RooflineCostModel:
         return max(flops / peak, nbytes / bw)
 
     def step_seconds(self, out: SchedulerOutput) -> float:
-        if out.is_empty:
+        """``linear + head + attn + step_overhead_s``: linear = roofline(2 x layer weights x tokens FLOPs, layer
+        weight bytes); head = roofline(2 x LM-head weights x sampled rows, LM-head bytes); attn = roofline(sum over
+        segments of 4 x layers x heads x head_dim x q x (start + (q + 1) / 2), (sum of segment ends + tokens) x KV
+        bytes per token). Tokens include padding."""
+        segments = out.segments
+        if not segments:
             return 0.0
-        m = self.model
-        tokens = out.num_scheduled_tokens + out.num_padding_tokens
-        sampled = sum(1 for s in out.segments if s.sample)
-        linear = self._roofline(2.0 * self.layer_params * tokens, self.layer_params * self.dtype_bytes)
-        head = self._roofline(2.0 * self.lm_head_params * sampled, self.lm_head_params * self.dtype_bytes)
+        peak = self._peak  # type: ignore[attr-defined]
+        per_token = self._kv_per_token  # type: ignore[attr-defined]
+        attn_c = self._attn_flops  # type: ignore[attr-defined]
+        tokens = sampled = 0
         attn_flops = 0.0
         kv_read = 0.0
-        width = m.num_heads * m.head_dim
-        for s in out.segments:
-            q = s.num_tokens
-            attn_flops += 4.0 * m.num_layers * width * q * (s.start + (q + 1) / 2.0)  # QK^T and PV, causal
-            kv_read += s.end * self.kv_bytes_per_token
-        attn = self._roofline(attn_flops, kv_read + tokens * self.kv_bytes_per_token)
+        for s in segments:
+            q = len(s.token_ids)
+            start = s.start
+            tokens += q
+            sampled += s.sample
+            attn_flops += attn_c * q * (start + (q + 1) / 2.0)  # QK^T and PV, causal
+            kv_read += (start + q) * per_token
+        tokens += out.num_padding_tokens
+        linear = max(self._linear_flops * tokens / peak, self._linear_read_s)  # type: ignore[attr-defined]
+        head = max(self._head_flops * sampled / peak, self._head_read_s)  # type: ignore[attr-defined]
+        attn = max(attn_flops / peak, (kv_read + tokens * per_token) / self._bw)  # type: ignore[attr-defined]
         return linear + head + attn + self.step_overhead_s
 
     def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:

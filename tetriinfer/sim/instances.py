@@ -380,7 +380,7 @@ class SimDecode(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         if out.is_decode_only:  # as the runtime's decode worker; the cost model also prices its batch-1 version
-            one = replace(out, segments=out.segments[:1])
+            one = SchedulerOutput(out.step_id, out.kind, out.segments[:1], out.num_padding_tokens)  # its first row
             self.inflation.observe(len(out.segments), self.step_seconds, self.cost.step_seconds(one))
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
@@ -422,7 +422,7 @@ class SimColocated(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         rows = decode_segments(out)
-        one = self.cost.step_seconds(replace(out, segments=tuple(rows[:1]), num_padding_tokens=0)) if rows else None
+        one = self.cost.step_seconds(SchedulerOutput(out.step_id, out.kind, tuple(rows[:1]))) if rows else None
         self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one)  # as the runtime
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)

@@ -1,0 +1,71 @@
+"""Golden output of a fixed simulated side-by-side run: the simulator's numbers must not move by a single byte
+when its code is made faster. The golden file is rewritten only on purpose:
+``python tests/test_sim_golden.py --write`` (after a change that is meant to alter simulated numbers; say why in
+the commit).
+
+The run: the first 200 requests of the Azure conversation trace (``fixtures/azure_conv_head200.csv``) at 70% of
+the probed colocated capacity, Llama-3-8B on four simulated A100-80GB (2 prefill + 2 decode), columns
+tetriinfer (flips, keep-decode, local prefill, oracle predictor at 80% accuracy), distserve (flips), colocated
+and sarathi, with the floor. The golden JSON holds the whole result (wall-clock fields dropped) and, per column,
+a digest of every request's record (arrival, first token, every token time, finish).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+GOLDEN = HERE / "fixtures" / "sim_golden.json"
+TRACE = HERE / "fixtures" / "azure_conv_head200.csv"
+WALL_CLOCK_KEYS = ("wall_s", "started_at")
+
+
+def golden_config() -> Any:
+    from tetriinfer.bench.side_by_side import parse_columns
+    from tetriinfer.sim.side_by_side import SimSideBySideConfig
+
+    cols = parse_columns("tetriinfer,distserve,colocated,sarathi", [], [
+        "tetriinfer:--flip --flip-window 1 --keep-decode --local-prefill --predictor oracle",
+        "distserve:--flip --flip-window 1",
+    ])
+    return SimSideBySideConfig((f"trace:{TRACE}",), cols, num_kv_blocks=2000, kv_bytes_per_token=131072,
+                               max_model_len=8192, model="llama-3-8b", num_requests=200, probe_requests=32,
+                               probe_concurrency=8, instances=4, prefill_instances=2, predictor_accuracy=0.8,
+                               seed=7, progress=False)
+
+
+def golden_json() -> str:
+    """The golden run's result as canonical JSON text (sorted keys, fixed float repr)."""
+    from tetriinfer.sim.cost_model import HARDWARE_PRESETS, RooflineCostModel, model_config
+    from tetriinfer.sim.side_by_side import SimSideBySide
+
+    cost = RooflineCostModel(model_config("llama-3-8b"), HARDWARE_PRESETS["a100-80g"], dtype_bytes=2,
+                             step_overhead_s=0.003)
+    result, raw = SimSideBySide(golden_config(), cost, "golden").run()
+    for key in WALL_CLOCK_KEYS:
+        result["meta"].pop(key)
+    digests = {wl: {label: hashlib.sha256(json.dumps(col["requests"], sort_keys=True).encode()).hexdigest()
+                    for label, col in cols.items()} for wl, cols in raw.items()}
+    text = json.dumps({"result": result, "request_digests": digests}, sort_keys=True, indent=1) + "\n"
+    return text.replace(str(TRACE), "tests/fixtures/" + TRACE.name)  # the same file wherever the checkout is
+
+
+def test_simulated_numbers_match_the_golden_file_byte_for_byte() -> None:
+    text = golden_json()
+    data = json.loads(text)
+    cells = next(iter(data["result"]["workloads"].values()))
+    assert set(cells) == {"tetriinfer", "distserve", "colocated", "sarathi"}
+    assert all(c["completed"] == 200 and c["failed"] == 0 for c in cells.values())
+    expected = GOLDEN.read_text(encoding="utf-8")
+    assert text == expected, "simulated numbers changed; if meant, rewrite with python tests/test_sim_golden.py --write"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_sim_golden.py --write  (rewrites tests/fixtures/sim_golden.json)")
+    GOLDEN.write_text(golden_json(), encoding="utf-8")
+    print(f"wrote {GOLDEN}")
