@@ -188,12 +188,10 @@ def kernels_threaded() -> bool:
 
 def _threads(dll: ctypes.CDLL, num_threads: int | None) -> int:
     """The threads a call may use: ``num_threads`` (default torch's intra-op count), 1 for a single-threaded build."""
-    if not dll.threaded:
-        return 1
     n = torch.get_num_threads() if num_threads is None else num_threads
     if n < 1:
         raise ValueError(f"num_threads must be >= 1, got {n}")
-    return n
+    return n if dll.threaded else 1
 
 
 @functools.cache
