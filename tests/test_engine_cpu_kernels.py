@@ -111,8 +111,8 @@ def test_linear_uses_the_fp32_kernel_for_decode_batches_only(monkeypatch: pytest
             assert calls == [1, 3, GEMV_F32_MAX_ROWS]
         torch.set_num_threads(2)
         with torch.inference_mode():
-            lin(torch.randn(2, 40))  # several threads: torch's parallel kernels
-        assert calls == [1, 3, GEMV_F32_MAX_ROWS]
+            lin(torch.randn(2, 40))  # several threads: the kernel splits its rows, or torch's parallel kernels
+        assert calls == [1, 3, GEMV_F32_MAX_ROWS] + ([2] if cpu_kernels.kernels_threaded() else [])
     finally:
         torch.set_num_threads(threads)
 
@@ -135,7 +135,7 @@ def test_linear_uses_the_kernel_for_few_bf16_rows_only(monkeypatch: pytest.Monke
             assert not use_gemv(x, lin.weight.float())  # mixed dtypes: torch
         torch.set_num_threads(2)
         with torch.inference_mode():
-            assert not use_gemv(x, lin.weight)  # several threads: torch's parallel kernels
+            assert use_gemv(x, lin.weight) is cpu_kernels.kernels_threaded()  # several threads: only if split
     finally:
         torch.set_num_threads(threads)
 
@@ -263,7 +263,7 @@ def test_bf16_prefill_takes_the_native_attention_and_generates_as_torch_does(mon
     calls: list[int] = []
     real = attention.prefill_attn_bf16
     monkeypatch.setattr(attention, "prefill_attn_bf16",
-                        lambda q, k, v, rows, start: calls.append(start) or real(q, k, v, rows, start))
+                        lambda q, k, v, rows, start, *a: calls.append(start) or real(q, k, v, rows, start, *a))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -507,6 +507,6 @@ def test_norm_and_rope_use_the_fused_kernels_for_decode_rows_only(monkeypatch: p
         calls.clear()
         with torch.inference_mode():
             norm(torch.randn(1, 32))
-        assert calls == []
+        assert calls == (["norm"] if cpu_kernels.kernels_threaded() else [])  # several threads: OpenMP builds
     finally:
         torch.set_num_threads(threads)

@@ -111,6 +111,33 @@ def test_one_thread_serving_layout_matches_transformers(tiny_models, references,
         assert diff < 1e-4, f"prompt {i}: max |logit diff| {diff}"
 
 
+def test_native_kernels_on_two_threads_match_transformers(tiny_models, references):
+    """Two torch threads, as an offline `LLM()` or a two-core serving instance runs: the native kernels split their
+    work over both threads (`tetriinfer.engine.cpu_kernels`, where the compiler has OpenMP) and greedy tokens and
+    logits still match HF. The first ten prompts (1-129 tokens: one and several chunks, decode at every length
+    class) keep this short on a loaded two-core machine, where every barrier of two threads waits for a core."""
+    from tetriinfer.engine import cpu_kernels
+
+    prompts, ref_tokens, ref_logits = (r[:10] for r in references["llama"])
+    threads = torch.get_num_threads()
+    calls: list[int] = []
+    real_gemv = cpu_kernels.gemv
+    import tetriinfer.engine.models.layers as layers
+
+    layers.gemv = lambda x, w, b: calls.append(1) or real_gemv(x, w, b)
+    try:
+        outs, logits, _ = _run(tiny_models["llama"], prompts, 64, 16, num_threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        layers.gemv = real_gemv
+        torch.set_num_threads(threads)
+    assert bool(calls) == (cpu_kernels.kernels_available() and cpu_kernels.kernels_threaded())
+    for i, (o, ref) in enumerate(zip(outs, ref_tokens, strict=True)):
+        assert o.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverged"
+        diff = (logits[i] - ref_logits[i]).abs().max().item()
+        assert diff < 1e-4, f"prompt {i}: max |logit diff| {diff}"
+
+
 def test_padding_changes_nothing(tiny_llama):
     prompts = _prompts(8000)[:6]
     a, la, _ = _run(tiny_llama, prompts, 64, 16)

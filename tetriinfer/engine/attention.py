@@ -22,8 +22,14 @@ from tetriinfer.engine.cpu_kernels import (
     avx512_bf16_available,
     decode_attn,
     kernels_available,
+    kernels_threaded,
     prefill_attn_bf16,
 )
+
+
+def _threads_ok() -> bool:
+    """The native kernels split their work over torch's threads (OpenMP builds), or the engine runs one thread."""
+    return kernels_threaded() or torch.get_num_threads() == 1
 
 
 @dataclass
@@ -73,7 +79,7 @@ def _sdpa(
 
 def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The native paged decode attention (`cpu_kernels.decode_attn`) replaces gather + SDPA for CPU decode groups
-    in fp32 and bf16 when the engine runs one torch thread. It reads K/V in place; torch's path gathers them first.
+    in fp32 and bf16 at any thread count (`_threads_ok`). It reads K/V in place; torch's path gathers them first.
     On AMX CPUs too: on a Sapphire Rapids core, bf16 decode steps of the tiny llama over 400-token contexts took
     7.8 / 11.0 / 16.3 / 20.9 ms with it against 8.4 / 11.6 / 18.5 / 24.2 ms with gather + SDPA at batch 8 / 16 / 32
     / 48, and the same below batch 8 (benchmarks/bench_decode_kernels.py)."""
@@ -81,17 +87,17 @@ def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return False
     if q.dtype not in (torch.bfloat16, torch.float32):
         return False
-    return torch.get_num_threads() == 1 and kernels_available()
+    return kernels_available() and _threads_ok()
 
 
 def _use_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The native AVX-512 BF16 causal attention (`cpu_kernels.prefill_attn_bf16`) replaces SDPA for bf16 prefill
-    segments on CPUs without AMX that have AVX-512 BF16, when the engine runs one torch thread (the kernel is
-    single-threaded; torch's flash attention parallelizes over heads)."""
+    segments on CPUs without AMX that have AVX-512 BF16, at any thread count (`_threads_ok`: the kernel splits
+    (head, query block) pairs over the threads, as torch's flash attention does)."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
             and k_cache.is_contiguous() and q.shape[-1] % 16 == 0 and q.shape[-1] <= PREFILL_ATTN_MAX_HEAD_DIM
             and bf16_decode_wants_native_kernels()
-            and torch.get_num_threads() == 1 and avx512_bf16_available())
+            and avx512_bf16_available() and _threads_ok())
 
 
 def paged_attention(

@@ -1,4 +1,4 @@
-"""Native AVX2 CPU kernels for decode, where torch is slow: bf16 on CPUs without bf16 instructions, and attention.
+"""Native CPU kernels (AVX2, AVX-512 BF16) for decode, where torch is slow: bf16 on CPUs without bf16 instructions, and attention.
 
 `gemv(x, weight, bias)`: the few-row (decode) linear layer, y = x @ weight.T + bias, in bf16 (products and sums in
 fp32, output rounded to bf16) or fp32. torch's bf16 GEMV reads ~6 GB/s on such a CPU and its fp32 GEMM with 1-16 rows
@@ -16,13 +16,23 @@ instruction), for CPUs that have it (AMD Zen 4, Intel Cooper Lake / Sapphire Rap
 Sources: `csrc/decode_kernels.c` (AVX2 + FMA), `csrc/avx512_bf16.c` (built only where the CPU has AVX-512 BF16).
 
 The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
-into `<cache>/kernels/` (once per source version) and loaded with ctypes -- no torch headers, no build step at
-install. Every failure (no compiler, no AVX2/FMA, a compile error) leaves `kernels_available()` False and callers keep torch's path.
-`TETRIINFER_CPU_KERNELS=0` turns the kernels off; `TETRIINFER_AVX512_BF16=0` only the AVX-512 BF16 ones (matmul and
-prefill attention).
+into `<cache>/kernels/` (once per source version and flags) and loaded with ctypes -- no torch headers, no build
+step at install. Every failure (no compiler, no AVX2/FMA, a compile error) leaves `kernels_available()` False and
+callers keep torch's path. `TETRIINFER_CPU_KERNELS=0` turns the kernels off; `TETRIINFER_AVX512_BF16=0` only the
+AVX-512 BF16 ones (matmul and prefill attention).
 
-Invariants: the kernels only read their inputs and write a fresh output tensor; it runs with the GIL released
-(ctypes), single-threaded, so it is used only where the engine runs one torch thread (the CPU serving layout).
+Threads: the sources are built with ``-fopenmp`` where the compiler supports it and link ``libgomp.so.1`` by soname,
+so in this process they share the OpenMP runtime torch already loaded: one pool of threads for torch's ops and the
+kernels, never two pools spinning against each other. Each call takes ``num_threads`` (default: torch's current
+intra-op thread count) and splits its work: matmuls over the rows of the weight (output features, whole groups of
+4), decode attention over (sequence, query head) pairs, prefill attention over (query head, query block) pairs.
+Every output element is computed by the same code whatever the split, so any thread count gives bit-identical
+results. Without OpenMP (the compile with ``-fopenmp`` failed, or a second OpenMP runtime got mapped) the kernels
+build without it and `kernels_threaded()` is False: they then run on one thread and the engine routes to them only
+when it runs one torch thread.
+
+Invariants: the kernels only read their inputs and write a fresh output tensor; they run with the GIL released
+(ctypes).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ AVX512_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "
                  "-std=c11"]
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
 LIBS = ["-lm"]
+OPENMP_FLAGS = ["-fopenmp"]
 MAX_ROWS = 64  # the kernel's x stays in cache up to here; callers use it for far fewer rows
 
 
@@ -79,9 +90,7 @@ def _build(cc: str, lib: Path, source: Path = SOURCE, cflags: list[str] = CFLAGS
             os.unlink(tmp)
 
 
-def _open_library(source: Path, cflags: list[str]) -> ctypes.CDLL | None:
-    """The compiled ``source`` (built on first use, once per source version and flags), or None without a compiler.
-    Raises OSError / SubprocessError when the build or the load fails."""
+def _open_one(source: Path, cflags: list[str]) -> ctypes.CDLL | None:
     lib = _library_path(source, cflags)
     if not lib.exists():  # built once per source version; a cached build needs no compiler
         cc = _compiler()
@@ -90,6 +99,30 @@ def _open_library(source: Path, cflags: list[str]) -> ctypes.CDLL | None:
             return None
         _build(cc, lib, source, cflags)
     return ctypes.CDLL(str(lib))
+
+
+def _open_library(source: Path, cflags: list[str]) -> ctypes.CDLL | None:
+    """The compiled ``source`` (built on first use, once per source version and flags), or None without a compiler:
+    with OpenMP (``cflags + OPENMP_FLAGS``) where that builds and loads and `TETRIINFER_KERNEL_THREADS` is not 0,
+    else without. Raises OSError / SubprocessError when the plain build or its load fails."""
+    if os.environ.get("TETRIINFER_KERNEL_THREADS", "1") != "0":
+        try:
+            return _open_one(source, [*cflags, *OPENMP_FLAGS])
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            log.info("%s: no OpenMP build (%s %s): its kernels run on one thread", source.name, e,
+                     detail.decode(errors="replace")[:300])
+    return _open_one(source, cflags)
+
+
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (libgomp / libomp / libiomp), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+    except OSError:
+        return set()
+    return {p for p in paths if any(n in os.path.basename(p) for n in ("libgomp", "libomp", "libiomp"))}
 
 
 @functools.cache
@@ -112,7 +145,7 @@ def _load() -> ctypes.CDLL | None:
                     detail.decode(errors="replace")[:500])
         return None
     for fn in gemvs:
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
         fn.restype = ctypes.c_int
     for fn in norms:
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -121,13 +154,44 @@ def _load() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
         fn.restype = ctypes.c_int
     for fn in attns:
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
         fn.restype = ctypes.c_int
+    dll.threaded = _threaded(dll, "tetri_openmp")
     return dll
+
+
+def _threaded(dll: ctypes.CDLL, probe: str) -> bool:
+    """Whether `dll` was built with OpenMP and shares this process's only OpenMP runtime (torch's)."""
+    fn = getattr(dll, probe, None)
+    if fn is None or fn() != 1:
+        return False
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:
+        log.warning("two OpenMP runtimes are loaded (%s): the native kernels run on one thread", sorted(runtimes))
+        return False
+    return True
 
 
 def kernels_available() -> bool:
     return _load() is not None
+
+
+def kernels_threaded() -> bool:
+    """Whether every built native kernel splits its work over several threads (OpenMP builds sharing torch's
+    runtime); False when the kernels are unavailable or single-threaded."""
+    dll = _load()
+    if dll is None or not dll.threaded:
+        return False
+    avx = _load_avx512()
+    return avx is None or avx.threaded
+
+
+def _threads(dll: ctypes.CDLL, num_threads: int | None) -> int:
+    """The threads a call may use: ``num_threads`` (default torch's intra-op count), 1 for a single-threaded build."""
+    n = torch.get_num_threads() if num_threads is None else num_threads
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    return n if dll.threaded else 1
 
 
 @functools.cache
@@ -149,11 +213,12 @@ def _load_avx512() -> ctypes.CDLL | None:
         log.warning("AVX-512 BF16 matmul unavailable (%s %s): the other kernels are used", e,
                     detail.decode(errors="replace")[:500])
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
     fn.restype = ctypes.c_int
     attn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
-                     + [ctypes.c_int64] * 5 + [ctypes.c_float])
+                     + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64])
     attn.restype = ctypes.c_int
+    dll.threaded = _threaded(dll, "tetri_avx512_openmp")
     return dll
 
 
@@ -163,9 +228,11 @@ def avx512_bf16_available() -> bool:
     return _load_avx512() is not None
 
 
-def gemm_bf16_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gemm_bf16_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     num_threads: int | None = None) -> torch.Tensor:
     """[M, K] @ [N, K].T (+ [N]) -> [M, N], all bf16 (products exact, sums in fp32, output rounded to nearest even);
-    M <= MAX_ROWS. Call only when `avx512_bf16_available()`; contiguous CPU tensors."""
+    M <= MAX_ROWS; the weight rows split over up to ``num_threads`` threads (default torch's count; bit-identical
+    for any count). Call only when `avx512_bf16_available()`; contiguous CPU tensors."""
     dll = _load_avx512()
     assert dll is not None
     m, k = x.shape
@@ -177,12 +244,14 @@ def gemm_bf16_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                          f"{weight.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
     y = torch.empty((m, n), dtype=torch.bfloat16)
     dll.tetri_gemm_bf16_avx512(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                               y.data_ptr(), m, n, k)
+                               y.data_ptr(), m, n, k, _threads(dll, num_threads))
     return y
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[M, K] @ [N, K].T (+ [N]) -> [M, N] on CPU, all bf16 or all fp32; M <= MAX_ROWS. Call only when
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         num_threads: int | None = None) -> torch.Tensor:
+    """[M, K] @ [N, K].T (+ [N]) -> [M, N] on CPU, all bf16 or all fp32; M <= MAX_ROWS; the weight rows split over
+    up to ``num_threads`` threads (default torch's count; bit-identical for any count). Call only when
     `kernels_available()`; inputs must be contiguous CPU tensors of one dtype."""
     dll = _load()
     assert dll is not None
@@ -196,7 +265,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
                          f"bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
     y = torch.empty((m, n), dtype=dtype)
     fn = dll.tetri_gemv_f32 if dtype == torch.float32 else dll.tetri_gemv_bf16
-    rc = fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    rc = fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+            _threads(dll, num_threads))
     if rc != 0:
         raise MemoryError("gemv: out of memory for its scratch buffer")
     return y
@@ -234,10 +304,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                lengths: torch.Tensor) -> torch.Tensor:
+                lengths: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """q [B, H, D]; k_cache, v_cache [S, Hkv, D] (bf16 or fp32, as q); slots [B, L] int64 (row b: its first
     lengths[b] entries are its context's slots); lengths [B] int64 -> [B, H, D] in q's dtype (softmax(q k^T /
-    sqrt(D)) v per head, grouped-query, fp32 math). Call only when `kernels_available()`; contiguous CPU
+    sqrt(D)) v per head, grouped-query, fp32 math); (sequence, head) pairs split over up to ``num_threads`` threads
+    (default torch's count; bit-identical for any count). Call only when `kernels_available()`; contiguous CPU
     tensors. Slots must lie in [0, S) (the engine's own block tables; not checked per call)."""
     dll = _load()
     assert dll is not None
@@ -252,7 +323,7 @@ def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     out = torch.empty_like(q)
     fn = dll.tetri_decode_attn_f32 if q.dtype == torch.float32 else dll.tetri_decode_attn_bf16
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
-            out.data_ptr(), b, h, hkv, d, length, d ** -0.5)
+            out.data_ptr(), b, h, hkv, d, length, d ** -0.5, _threads(dll, num_threads))
     if rc != 0:
         raise MemoryError("decode_attn: out of memory for its scratch buffers")
     return out
@@ -262,11 +333,12 @@ PREFILL_ATTN_MAX_HEAD_DIM = 256
 
 
 def prefill_attn_bf16(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor, rows: torch.Tensor,
-                      ctx_start: int) -> torch.Tensor:
+                      ctx_start: int, num_threads: int | None = None) -> torch.Tensor:
     """Causal prefill attention in bf16 (AVX-512 BF16): q [Lq, H, D] (heads and dims contiguous, any token stride);
     k_base / v_base [S, Hkv, D] contiguous, row ``rows[j]`` holding key position j for j < ctx_start + Lq (rows: int64
     [ctx_start + Lq]); query i sits at position ctx_start + i and sees keys 0..ctx_start + i -> [Lq, H, D] bf16
-    (fp32 scores and softmax, weights rounded to bf16 for the sum over V). Call only when
+    (fp32 scores and softmax, weights rounded to bf16 for the sum over V); (head, query block) pairs split over up
+    to ``num_threads`` threads (default torch's count; bit-identical for any count). Call only when
     `avx512_bf16_available()`; rows must lie in [0, S) (the engine's own slots: not checked per row)."""
     dll = _load_avx512()
     assert dll is not None
@@ -281,7 +353,8 @@ def prefill_attn_bf16(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tenso
                          f"{k_base.dtype}, rows {tuple(rows.shape)} {rows.dtype}, ctx_start {ctx_start}")
     out = torch.empty((lq, h, d), dtype=torch.bfloat16)
     rc = dll.tetri_prefill_attn_bf16(q.data_ptr(), q.stride(0), k_base.data_ptr(), v_base.data_ptr(), rows.data_ptr(),
-                                     hkv * d, out.data_ptr(), lq, ctx_start, h, hkv, d, d ** -0.5)
+                                     hkv * d, out.data_ptr(), lq, ctx_start, h, hkv, d, d ** -0.5,
+                                     _threads(dll, num_threads))
     if rc != 0:
         raise MemoryError("prefill_attn_bf16: out of memory for its scratch buffers")
     return out

@@ -24,9 +24,23 @@ def _pin_every_thread(cores: set[int]) -> None:
             continue
 
 
+def default_num_threads() -> int:
+    """The threads an engine uses when not told: ``OMP_NUM_THREADS`` where it is set (the usual knob, which torch
+    also reads at start-up), else one per core this process may run on (``os.sched_getaffinity``: a container's or
+    a ``taskset``'s cores, not the machine's)."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API on this platform
+        return max(1, os.cpu_count() or 1)
+
+
 def configure_device(device: str, num_threads: int | None, cpu_cores: tuple[int, ...] | None) -> None:
-    """Pin this process to ``cpu_cores`` and set torch's intra-op threads (one engine per core stands in
-    for one accelerator on CPU machines)."""
+    """Pin this process to ``cpu_cores`` and set torch's intra-op threads, which the native CPU kernels split
+    their work over too: ``num_threads``, else one per pinned core, else `default_num_threads()` on CPU (one
+    engine per core stands in for one accelerator on CPU serving layouts; an offline ``LLM()`` uses its cores)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' requested but CUDA is not available on this machine")
     if cpu_cores:
@@ -37,6 +51,8 @@ def configure_device(device: str, num_threads: int | None, cpu_cores: tuple[int,
         _pin_every_thread(set(cpu_cores))
         if num_threads is None:
             num_threads = len(cpu_cores)
+    if num_threads is None and device == "cpu":
+        num_threads = default_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     if device == "cpu":

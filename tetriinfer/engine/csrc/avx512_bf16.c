@@ -22,6 +22,41 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline int team_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* 1 when built with OpenMP (the kernels split their work over the threads they are given), else 0. */
+int tetri_avx512_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* [*lo, *hi): part t of nt of [0, n) in whole units of `align` (the last part also takes a ragged end). */
+static inline void split_range(int64_t n, int64_t align, int nt, int t, int64_t *lo, int64_t *hi) {
+    int64_t units = (n + align - 1) / align, a = units * t / nt, b = units * (t + 1) / nt;
+    *lo = a * align;
+    *hi = b * align < n ? b * align : n;
+}
 
 #define TR 6 /* rows of x per pass */
 #define PF_GROUPS 4 /* prefetch the weight group this many groups ahead */
@@ -123,20 +158,40 @@ static inline __attribute__((always_inline)) void tile_any(const uint16_t *xr, c
     }
 }
 
-/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all bf16 (raw uint16 bits). Returns 0. */
-int tetri_gemm_bf16_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
-                           int64_t N, int64_t K) {
+/* Weight rows [lo, hi) of the matmul (lo a multiple of 4): the groups of 4 a single thread would form. */
+static void gemm_cols(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K, int64_t lo, int64_t hi) {
     /* ceil(M / TR) passes of near-equal size (8 rows: 4 + 4, not 6 + 2: a thin pass is load-bound) */
     int64_t passes = (M + TR - 1) / TR;
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        int NB = N - n0 < 4 ? (int)(N - n0) : 4;
+    for (int64_t n0 = lo; n0 < hi; n0 += 4) {
+        int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;
         const uint16_t *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
         for (int64_t p = 0, m0 = 0; p < passes; p++) {
             int R = (int)(M / passes + (p < M % passes));
-            const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < N ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
+            const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
             tile_any(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
             m0 += R;
         }
+    }
+}
+
+/* Weight rows per thread below which a matmul is not split (the fork / join costs ~1 us, 64 rows of 576 take ~3). */
+#define MIN_ROWS_PER_THREAD 64
+
+/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all bf16 (raw uint16 bits); up to nthreads threads. Returns 0. */
+int tetri_gemm_bf16_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
+                           int64_t N, int64_t K, int64_t nthreads) {
+    int64_t most = N / MIN_ROWS_PER_THREAD;
+    int nt = (int)(nthreads < most ? nthreads : most);
+    if (nt <= 1) {
+        gemm_cols(x, w, bias, y, M, N, K, 0, N);
+        return 0;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi;
+        split_range(N, 4, team_size(), team_id(), &lo, &hi);
+        gemm_cols(x, w, bias, y, M, N, K, lo, hi);
     }
     return 0;
 }
@@ -183,120 +238,140 @@ static inline uint32_t pair_at(const uint16_t *p) { /* two consecutive bf16 as o
     return u;
 }
 
+/* One pass: queries i0 .. i0 + nq - 1 (nq <= QB) of query head h against kp / vp, its kv head's repacked K and V. */
+static void prefill_block(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp, uint16_t *out,
+                          int64_t i0, int nq, int64_t h, int64_t ctx_start, int64_t H, int64_t D, float scale) {
+    const int64_t dp = D / 2, dv = D / 16;
+    __m512 o[QB][8]; /* D <= 256: up to 16 zmm of output per query (8 here: D <= 128 fast path) */
+    float acc_o[QB][256];
+    float m[QB], l[QB];
+    for (int r = 0; r < QB; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t t = 0; t < dv && t < 8; t++) o[r][t] = _mm512_setzero_ps();
+        memset(acc_o[r], 0, sizeof(acc_o[r]));
+    }
+    const int64_t last = ctx_start + i0 + nq - 1; /* the furthest key any query of the pass sees */
+    for (int64_t j0 = 0; j0 <= last; j0 += KB) {
+        __m512 s[QB][2];
+        for (int r = 0; r < QB; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        const uint16_t *k0 = kp + (j0 / 16) * (16 * D), *k1 = k0 + 16 * D;
+        for (int64_t t = 0; t < dp; t++) {
+            __m512bh a = ld(k0 + t * 32), b = ld(k1 + t * 32);
+            for (int r = 0; r < nq; r++) {
+                __m512bh qq = (__m512bh)_mm512_set1_epi32(
+                    (int)pair_at(q + (i0 + r) * q_stride + h * D + 2 * t));
+                s[r][0] = _mm512_dpbf16_ps(s[r][0], a, qq);
+                s[r][1] = _mm512_dpbf16_ps(s[r][1], b, qq);
+            }
+        }
+        for (int r = 0; r < nq; r++) {
+            const int64_t lim = ctx_start + i0 + r; /* keys j <= lim are visible */
+            __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
+            __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
+            if (j0 + KB - 1 > lim) {
+                int64_t n0 = lim - j0 + 1, n1 = lim - j0 - 15;
+                __mmask16 m0 = n0 >= 16 ? 0xFFFF : (n0 <= 0 ? 0 : (__mmask16)((1u << n0) - 1));
+                __mmask16 m1 = n1 >= 16 ? 0xFFFF : (n1 <= 0 ? 0 : (__mmask16)((1u << n1) - 1));
+                x0 = _mm512_mask_blend_ps(m0, _mm512_set1_ps(-INFINITY), x0);
+                x1 = _mm512_mask_blend_ps(m1, _mm512_set1_ps(-INFINITY), x1);
+            }
+            float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+            if (mx == -INFINITY) { /* nothing visible in this step for this query */
+                s[r][0] = s[r][1] = _mm512_setzero_ps();
+                continue;
+            }
+            float mnew = mx > m[r] ? mx : m[r];
+            float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+            __m512 p0 = exp16(_mm512_sub_ps(x0, _mm512_set1_ps(mnew)));
+            __m512 p1 = exp16(_mm512_sub_ps(x1, _mm512_set1_ps(mnew)));
+            p0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), p0,
+                                      _mm512_setzero_ps());
+            p1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x1, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), p1,
+                                      _mm512_setzero_ps());
+            l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = mnew;
+            if (corr != 1.0f) {
+                __m512 c = _mm512_set1_ps(corr);
+                for (int64_t t = 0; t < dv && t < 8; t++) o[r][t] = _mm512_mul_ps(o[r][t], c);
+                for (int64_t t = 8; t < dv; t++)
+                    _mm512_storeu_ps(acc_o[r] + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(acc_o[r] + 16 * t), c));
+            }
+            s[r][0] = p0; /* the weights of this step, reused below */
+            s[r][1] = p1;
+        }
+        /* o[r] += sum over the KB keys of p[r, j] * v[j]: one zmm of V = 16 dims x a key pair */
+        uint32_t pw[QB][KB / 2];
+        for (int r = 0; r < nq; r++)
+            _mm512_storeu_si512((void *)pw[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));
+        const int64_t npair = (last - j0 + 1 < KB ? last - j0 + 2 : KB) / 2;
+        for (int64_t kq = 0; kq < npair; kq++) {
+            const uint16_t *vr = vp + (j0 / 2 + kq) * (2 * D);
+            for (int64_t t = 0; t < dv && t < 8; t++) {
+                __m512bh vv = ld(vr + t * 32);
+                for (int r = 0; r < nq; r++)
+                    o[r][t] = _mm512_dpbf16_ps(o[r][t], vv, (__m512bh)_mm512_set1_epi32((int)pw[r][kq]));
+            }
+            for (int64_t t = 8; t < dv; t++) {
+                __m512bh vv = ld(vr + t * 32);
+                for (int r = 0; r < nq; r++)
+                    _mm512_storeu_ps(acc_o[r] + 16 * t,
+                                     _mm512_dpbf16_ps(_mm512_loadu_ps(acc_o[r] + 16 * t), vv,
+                                                      (__m512bh)_mm512_set1_epi32((int)pw[r][kq])));
+            }
+        }
+    }
+    for (int r = 0; r < nq; r++) {
+        __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        uint16_t *dst = out + ((i0 + r) * H + h) * D;
+        for (int64_t t = 0; t < dv; t++) {
+            __m512 v = t < 8 ? o[r][t] : _mm512_loadu_ps(acc_o[r] + 16 * t);
+            _mm256_storeu_si256((__m256i *)(dst + 16 * t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, inv)));
+        }
+    }
+}
+
+/* Queries per thread-split unit: (query head, block of QB queries) pairs go to the threads round-robin, so the
+ * causal mask's growing cost per block is shared evenly. nthreads: the most threads to use. */
 int tetri_prefill_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_base, const uint16_t *v_base,
                             const int64_t *rows, int64_t kv_stride, uint16_t *out, int64_t Lq, int64_t ctx_start,
-                            int64_t H, int64_t Hkv, int64_t D, float scale) {
-    const int64_t Lk = ctx_start + Lq, group = H / Hkv, nkb = (Lk + 15) / 16, dp = D / 2, dv = D / 16;
+                            int64_t H, int64_t Hkv, int64_t D, float scale, int64_t nthreads) {
+    const int64_t Lk = ctx_start + Lq, group = H / Hkv, nkb = (Lk + 15) / 16, dp = D / 2;
     const int64_t kpad = nkb * 16 + KB; /* room for a whole KB step past the last key block */
-    uint16_t *kp = (uint16_t *)aligned_alloc(64, (size_t)(kpad * D) * 2);
-    uint16_t *vp = (uint16_t *)aligned_alloc(64, (size_t)(kpad * D) * 2);
+    const size_t head_elems = (size_t)(kpad * D); /* one kv head's repacked K (or V); a multiple of 32 elements */
+    uint16_t *kp = (uint16_t *)aligned_alloc(64, head_elems * (size_t)Hkv * 2);
+    uint16_t *vp = (uint16_t *)aligned_alloc(64, head_elems * (size_t)Hkv * 2);
     if (!kp || !vp) {
         free(kp);
         free(vp);
         return -1;
     }
-    for (int64_t g = 0; g < Hkv; g++) {
-        /* repack this kv head: K [kb][dp][16][2], V [key pair][dv][16][2]; keys past Lk are zero */
-        memset(kp, 0, (size_t)(kpad * D) * 2);
-        memset(vp, 0, (size_t)(kpad * D) * 2);
-        for (int64_t j = 0; j < Lk; j++) {
-            const uint16_t *kr = k_base + rows[j] * kv_stride + g * D, *vr = v_base + rows[j] * kv_stride + g * D;
-            uint16_t *kd = kp + (j / 16) * (16 * D) + (j % 16) * 2;
-            for (int64_t t = 0; t < dp; t++) memcpy(kd + t * 32, kr + 2 * t, 4);
-            uint16_t *vd = vp + (j / 2) * (2 * D) + (j % 2);
-            for (int64_t d = 0; d < D; d++) vd[(d / 16) * 32 + (d % 16) * 2] = vr[d];
-        }
-        for (int64_t h = g * group; h < (g + 1) * group; h++) {
-            for (int64_t i0 = 0; i0 < Lq; i0 += QB) {
-                const int nq = Lq - i0 < QB ? (int)(Lq - i0) : QB;
-                __m512 o[QB][8]; /* D <= 256: up to 16 zmm of output per query (8 here: D <= 128 fast path) */
-                float acc_o[QB][256];
-                float m[QB], l[QB];
-                for (int r = 0; r < QB; r++) {
-                    m[r] = -INFINITY;
-                    l[r] = 0.0f;
-                    for (int64_t t = 0; t < dv && t < 8; t++) o[r][t] = _mm512_setzero_ps();
-                    memset(acc_o[r], 0, sizeof(acc_o[r]));
-                }
-                const int64_t last = ctx_start + i0 + nq - 1; /* the furthest key any query of the pass sees */
-                for (int64_t j0 = 0; j0 <= last; j0 += KB) {
-                    __m512 s[QB][2];
-                    for (int r = 0; r < QB; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
-                    const uint16_t *k0 = kp + (j0 / 16) * (16 * D), *k1 = k0 + 16 * D;
-                    for (int64_t t = 0; t < dp; t++) {
-                        __m512bh a = ld(k0 + t * 32), b = ld(k1 + t * 32);
-                        for (int r = 0; r < nq; r++) {
-                            __m512bh qq = (__m512bh)_mm512_set1_epi32(
-                                (int)pair_at(q + (i0 + r) * q_stride + h * D + 2 * t));
-                            s[r][0] = _mm512_dpbf16_ps(s[r][0], a, qq);
-                            s[r][1] = _mm512_dpbf16_ps(s[r][1], b, qq);
-                        }
-                    }
-                    for (int r = 0; r < nq; r++) {
-                        const int64_t lim = ctx_start + i0 + r; /* keys j <= lim are visible */
-                        __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
-                        __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
-                        if (j0 + KB - 1 > lim) {
-                            int64_t n0 = lim - j0 + 1, n1 = lim - j0 - 15;
-                            __mmask16 m0 = n0 >= 16 ? 0xFFFF : (n0 <= 0 ? 0 : (__mmask16)((1u << n0) - 1));
-                            __mmask16 m1 = n1 >= 16 ? 0xFFFF : (n1 <= 0 ? 0 : (__mmask16)((1u << n1) - 1));
-                            x0 = _mm512_mask_blend_ps(m0, _mm512_set1_ps(-INFINITY), x0);
-                            x1 = _mm512_mask_blend_ps(m1, _mm512_set1_ps(-INFINITY), x1);
-                        }
-                        float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-                        if (mx == -INFINITY) { /* nothing visible in this step for this query */
-                            s[r][0] = s[r][1] = _mm512_setzero_ps();
-                            continue;
-                        }
-                        float mnew = mx > m[r] ? mx : m[r];
-                        float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
-                        __m512 p0 = exp16(_mm512_sub_ps(x0, _mm512_set1_ps(mnew)));
-                        __m512 p1 = exp16(_mm512_sub_ps(x1, _mm512_set1_ps(mnew)));
-                        p0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), p0,
-                                                  _mm512_setzero_ps());
-                        p1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x1, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), p1,
-                                                  _mm512_setzero_ps());
-                        l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-                        m[r] = mnew;
-                        if (corr != 1.0f) {
-                            __m512 c = _mm512_set1_ps(corr);
-                            for (int64_t t = 0; t < dv && t < 8; t++) o[r][t] = _mm512_mul_ps(o[r][t], c);
-                            for (int64_t t = 8; t < dv; t++)
-                                _mm512_storeu_ps(acc_o[r] + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(acc_o[r] + 16 * t), c));
-                        }
-                        s[r][0] = p0; /* the weights of this step, reused below */
-                        s[r][1] = p1;
-                    }
-                    /* o[r] += sum over the KB keys of p[r, j] * v[j]: one zmm of V = 16 dims x a key pair */
-                    uint32_t pw[QB][KB / 2];
-                    for (int r = 0; r < nq; r++)
-                        _mm512_storeu_si512((void *)pw[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));
-                    const int64_t npair = (last - j0 + 1 < KB ? last - j0 + 2 : KB) / 2;
-                    for (int64_t kq = 0; kq < npair; kq++) {
-                        const uint16_t *vr = vp + (j0 / 2 + kq) * (2 * D);
-                        for (int64_t t = 0; t < dv && t < 8; t++) {
-                            __m512bh vv = ld(vr + t * 32);
-                            for (int r = 0; r < nq; r++)
-                                o[r][t] = _mm512_dpbf16_ps(o[r][t], vv, (__m512bh)_mm512_set1_epi32((int)pw[r][kq]));
-                        }
-                        for (int64_t t = 8; t < dv; t++) {
-                            __m512bh vv = ld(vr + t * 32);
-                            for (int r = 0; r < nq; r++)
-                                _mm512_storeu_ps(acc_o[r] + 16 * t,
-                                                 _mm512_dpbf16_ps(_mm512_loadu_ps(acc_o[r] + 16 * t), vv,
-                                                                  (__m512bh)_mm512_set1_epi32((int)pw[r][kq])));
-                        }
-                    }
-                }
-                for (int r = 0; r < nq; r++) {
-                    __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-                    uint16_t *dst = out + ((i0 + r) * H + h) * D;
-                    for (int64_t t = 0; t < dv; t++) {
-                        __m512 v = t < 8 ? o[r][t] : _mm512_loadu_ps(acc_o[r] + 16 * t);
-                        _mm256_storeu_si256((__m256i *)(dst + 16 * t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, inv)));
-                    }
-                }
+    memset(kp, 0, head_elems * (size_t)Hkv * 2); /* keys past Lk stay zero */
+    memset(vp, 0, head_elems * (size_t)Hkv * 2);
+    const int64_t nqb = (Lq + QB - 1) / QB, items = H * nqb;
+    const int nt = (int)(nthreads < items ? nthreads : items);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int T = team_size(), t = team_id();
+        int64_t jlo, jhi;
+        split_range(Lk, 16, T, t, &jlo, &jhi);
+        /* repack keys [jlo, jhi) of every kv head g: K [kb][dp][16][2], V [key pair][dv][16][2] */
+        for (int64_t g = 0; g < Hkv; g++) {
+            uint16_t *kg = kp + (size_t)g * head_elems, *vg = vp + (size_t)g * head_elems;
+            for (int64_t j = jlo; j < jhi; j++) {
+                const uint16_t *kr = k_base + rows[j] * kv_stride + g * D, *vr = v_base + rows[j] * kv_stride + g * D;
+                uint16_t *kd = kg + (j / 16) * (16 * D) + (j % 16) * 2;
+                for (int64_t u = 0; u < dp; u++) memcpy(kd + u * 32, kr + 2 * u, 4);
+                uint16_t *vd = vg + (j / 2) * (2 * D) + (j % 2);
+                for (int64_t d = 0; d < D; d++) vd[(d / 16) * 32 + (d % 16) * 2] = vr[d];
             }
+        }
+#pragma omp barrier
+        for (int64_t it = t; it < items; it += T) {
+            const int64_t i0 = (it / H) * QB, h = it % H, g = h / group;
+            const int nq = Lq - i0 < QB ? (int)(Lq - i0) : QB;
+            prefill_block(q, q_stride, kp + (size_t)g * head_elems, vp + (size_t)g * head_elems, out, i0, nq, h,
+                          ctx_start, H, D, scale);
         }
     }
     free(kp);

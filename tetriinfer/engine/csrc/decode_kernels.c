@@ -8,13 +8,63 @@
  *
  * Memory-bound by design: every weight row is read once per block of up to 4 rows of x (x stays in cache), so a
  * batch-1 decode step streams the weights once at close to the machine's read bandwidth. bf16 -> fp32 is exact
- * (a 16-bit shift). Single-threaded: one engine per core is the CPU serving configuration.
+ * (a 16-bit shift).
+ *
+ * Threads: built with -fopenmp (sharing torch's OpenMP runtime, so the engine's threads form one pool), the matmuls
+ * split the weight rows (output features) over the team in whole groups of 4 and decode attention splits its
+ * (sequence, query head) pairs; every output element is computed by the same code as on one thread, so any thread
+ * count gives bit-identical results. Without OpenMP the pragmas are ignored (tetri_openmp() returns 0).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline int team_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* 1 when built with OpenMP (the kernels split their work over the threads they are given), else 0. */
+int tetri_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* [*lo, *hi): part t of nt of [0, n) in whole units of `align` (the last part also takes a ragged end). */
+static inline void split_range(int64_t n, int64_t align, int nt, int t, int64_t *lo, int64_t *hi) {
+    int64_t units = (n + align - 1) / align, a = units * t / nt, b = units * (t + 1) / nt;
+    *lo = a * align;
+    *hi = b * align < n ? b * align : n;
+}
+
+/* The threads a call of `work` units uses: at most nthreads, at least `per_thread` units each, at least 1. */
+static inline int team_for(int64_t nthreads, int64_t work, int64_t per_thread) {
+    int64_t most = work / per_thread;
+    int64_t nt = nthreads < most ? nthreads : most;
+    return nt < 1 ? 1 : (int)nt;
+}
+
+/* Weight rows per thread below which a matmul is not split (a fork / join costs ~1 us). */
+#define MIN_ROWS_PER_THREAD 64
 
 static inline __m256 load8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -122,9 +172,9 @@ static inline __attribute__((always_inline)) void tile_any(const float *xr, int6
 #define ROW_PF_BYTES 1024
 #define ROW_KERNEL_MAX_BYTES 4096
 static inline __attribute__((always_inline)) void gemv_one_row(const float *x, const void *w, const void *bias,
-                                                                void *y, int64_t N, int64_t K, int F32) {
+                                                                void *y, int64_t lo, int64_t hi, int64_t K, int F32) {
     int64_t esz = F32 ? 4 : 2, step = 64 / esz; /* elements per cache line */
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = lo; n < hi; n++) {
         const char *wr = (const char *)w + n * K * esz;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t k = 0;
@@ -146,25 +196,27 @@ static inline __attribute__((always_inline)) void gemv_one_row(const float *x, c
     }
 }
 
-/* y = x @ w.T + bias over fp32 activations xf [M, K]; w, bias, y in fp32 (F32) or bf16 (output rounded once).
- * Weight rows go four at a time; each group is read from memory once and applied to every row of x (TILE_R rows
- * per pass, the group stays in L1 between passes). One x row over short weight rows: gemv_one_row. */
+/* y = x @ w.T + bias over fp32 activations xf [M, K], weight rows [lo, hi) (lo a multiple of 4); w, bias, y in
+ * fp32 (F32) or bf16 (output rounded once). Weight rows go four at a time; each group is read from memory once and
+ * applied to every row of x (TILE_R rows per pass, the group stays in L1 between passes). One x row over short
+ * weight rows: gemv_one_row. */
 static inline __attribute__((always_inline)) void gemv_rows(const float *xf, const void *w, const void *bias,
-                                                             void *y, int64_t M, int64_t N, int64_t K, int F32) {
+                                                             void *y, int64_t M, int64_t N, int64_t K, int64_t lo,
+                                                             int64_t hi, int F32) {
     int64_t esz = F32 ? 4 : 2;
     if (M == 1 && K * esz <= ROW_KERNEL_MAX_BYTES) {
-        gemv_one_row(xf, w, bias, y, N, K, F32);
+        gemv_one_row(xf, w, bias, y, lo, hi, K, F32);
         return;
     }
     float out[TILE_R * 4];
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        int NB = N - n0 < 4 ? (int)(N - n0) : 4;
+    for (int64_t n0 = lo; n0 < hi; n0 += 4) {
+        int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;
         const void *wr = (const char *)w + n0 * K * esz;
         for (int64_t m0 = 0; m0 < M; m0 += TILE_R) {
             int R = M - m0 < TILE_R ? (int)(M - m0) : TILE_R;
             const float *xr = xf + m0 * K;
             /* first pass over a group: prefetch the group PF_AHEAD groups on (memory latency overlaps compute) */
-            const char *pf = m0 == 0 && n0 + 4 * PF_AHEAD < N ? (const char *)wr + 4 * PF_AHEAD * K * esz : NULL;
+            const char *pf = m0 == 0 && n0 + 4 * PF_AHEAD < hi ? (const char *)wr + 4 * PF_AHEAD * K * esz : NULL;
             tile_any(xr, K, wr, NB, R, out, pf, F32);
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < NB; j++) {
@@ -178,19 +230,40 @@ static inline __attribute__((always_inline)) void gemv_rows(const float *xf, con
     }
 }
 
-/* fp32: x [M, K], w [N, K], bias [N] or NULL, y [M, N]; no scratch memory. Returns 0. */
-int tetri_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    gemv_rows(x, w, bias, y, M, N, K, 1);
+/* fp32: x [M, K], w [N, K], bias [N] or NULL, y [M, N]; no scratch memory; up to nthreads threads. Returns 0. */
+int tetri_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                   int64_t nthreads) {
+    int nt = team_for(nthreads, N, MIN_ROWS_PER_THREAD);
+    if (nt == 1) {
+        gemv_rows(x, w, bias, y, M, N, K, 0, N, 1);
+        return 0;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi;
+        split_range(N, 4, team_size(), team_id(), &lo, &hi);
+        gemv_rows(x, w, bias, y, M, N, K, lo, hi, 1);
+    }
     return 0;
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+/* bf16, up to nthreads threads. Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
 int tetri_gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
-                    int64_t N, int64_t K) {
+                    int64_t N, int64_t K, int64_t nthreads) {
     float *xf = (float *)malloc((size_t)(M * K + 1) * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    gemv_rows(xf, w, bias, y, M, N, K, 0);
+    int nt = team_for(nthreads, N, MIN_ROWS_PER_THREAD);
+    if (nt == 1) {
+        gemv_rows(xf, w, bias, y, M, N, K, 0, N, 0);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            int64_t lo, hi;
+            split_range(N, 4, team_size(), team_id(), &lo, &hi);
+            gemv_rows(xf, w, bias, y, M, N, K, lo, hi, 0);
+        }
+    }
     free(xf);
     return 0;
 }
@@ -270,112 +343,106 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
+/* One (sequence b, query head h) pair: scores over its n keys (8 per pass, a tail of < 8 keys or D not a multiple
+ * of 8 one key at a time), softmax (8 scores at a time), then the weighted sum of V with the accumulators in
+ * registers per 64-lane chunk of D. Scratch: qf [D], acc [D], sh [n + 8] fp32. */
+static inline __attribute__((always_inline)) void attn_head(const void *q, const char *kc, const char *vc,
+                                                             const int64_t *sl, int64_t n, void *out, int64_t b,
+                                                             int64_t h, int64_t H, int64_t G, int64_t row, int64_t D,
+                                                             float scale, float *qf, float *acc, float *sh, int F32) {
+    int64_t esz = F32 ? 4 : 2, hk = h / G;
+    for (int64_t i = 0; i < D; i++) qf[i] = kv1(q, (b * H + h) * D + i, F32) * scale;
+    int64_t l = 0;
+    if (D % 8 == 0)
+        for (; l + 8 <= n; l += 8) {
+            const char *rows[8];
+            for (int i = 0; i < 8; i++) rows[i] = kc + (sl[l + i] * row + hk * D) * esz;
+            _mm256_storeu_ps(sh + l, dots8(qf, D, rows, F32));
+        }
+    for (; l < n; l++) sh[l] = dot1(qf, D, kc + (sl[l] * row + hk * D) * esz, F32);
+    float mx = -INFINITY;
+    for (l = 0; l < n; l++) mx = sh[l] > mx ? sh[l] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    for (l = 0; l + 8 <= n; l += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + l), vmx));
+        _mm256_storeu_ps(sh + l, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; l < n; l++) {
+        sh[l] = expf(sh[l] - mx);
+        sum += sh[l];
+    }
+    float inv = n > 0 ? 1.0f / sum : 0.0f;
+    for (l = 0; l < n; l++) sh[l] *= inv;
+    const char *vbase = vc + hk * D * esz;
+    int64_t nvec = D / 8;
+    for (int64_t v0 = 0; v0 < nvec; v0 += 8) {
+        int64_t d0 = 8 * v0;
+        switch (nvec - v0 >= 8 ? 8 : nvec - v0) {
+            case 1: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 1, acc, F32); break;
+            case 2: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 2, acc, F32); break;
+            case 3: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 3, acc, F32); break;
+            case 4: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 4, acc, F32); break;
+            case 5: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 5, acc, F32); break;
+            case 6: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 6, acc, F32); break;
+            case 7: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 7, acc, F32); break;
+            default: wsum_chunk(sh, n, vbase, sl, row * esz, d0, 8, acc, F32); break;
+        }
+    }
+    for (int64_t d = 8 * nvec; d < D; d++) { /* D % 8 tail lanes */
+        float t = 0.0f;
+        for (l = 0; l < n; l++) t += sh[l] * kv1(vbase + sl[l] * row * esz, d, F32);
+        acc[d] = t;
+    }
+    if (F32)
+        memcpy((float *)out + (b * H + h) * D, acc, (size_t)D * sizeof(float));
+    else
+        for (int64_t i = 0; i < D; i++) ((uint16_t *)out)[(b * H + h) * D + i] = f32_to_bf16(acc[i]);
+}
+
+/* Pairs of (sequence, query head) per thread below which decode attention is not split. */
+#define MIN_HEADS_PER_THREAD 2
+
 static inline __attribute__((always_inline)) int decode_attn(const void *q, const void *k_cache,
                                                               const void *v_cache, const int64_t *slots,
                                                               const int64_t *lengths, void *out, int64_t B,
                                                               int64_t H, int64_t Hkv, int64_t D, int64_t L,
-                                                              float scale, int F32) {
+                                                              float scale, int64_t nthreads, int F32) {
     int64_t G = H / Hkv, row = Hkv * D;  /* row: elements of one slot (every kv head), read contiguously */
-    int64_t esz = F32 ? 4 : 2;
     const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
-    int64_t Lp = (L > 0 ? L : 1) + 8;
-    float *qf = (float *)malloc((size_t)(H * D) * sizeof(float));
-    float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
-    float *s = (float *)malloc((size_t)(H * Lp) * sizeof(float));
-    if (!qf || !acc || !s) {
-        free(qf);
-        free(acc);
-        free(s);
-        return -1;
+    int64_t Lp = (L > 0 ? L : 1) + 8, per = 2 * D + Lp + 16; /* one thread's scratch: qf, acc, scores */
+    int nt = team_for(nthreads, B * H, MIN_HEADS_PER_THREAD);
+    float *scratch = (float *)malloc((size_t)(per * nt) * sizeof(float));
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040); /* flush denormals (FTZ | DAZ) while we run: negligible weights, no slow path */
+        int64_t lo, hi;
+        split_range(B * H, 1, team_size(), team_id(), &lo, &hi);
+        float *qf = scratch + per * team_id(), *acc = qf + D, *sh = acc + D;
+        for (int64_t it = lo; it < hi; it++) {
+            int64_t b = it / H, h = it % H;
+            int64_t n = lengths[b] < L ? lengths[b] : L;
+            attn_head(q, kc, vc, slots + b * L, n, out, b, h, H, G, row, D, scale, qf, acc, sh, F32);
+        }
+        _mm_setcsr(csr);
     }
-    unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040); /* flush denormals (FTZ | DAZ) while we run: negligible weights, no slow path */
-    for (int64_t b = 0; b < B; b++) {
-        int64_t n = lengths[b] < L ? lengths[b] : L;
-        const int64_t *sl = slots + b * L;
-        for (int64_t i = 0; i < H * D; i++) qf[i] = kv1(q, b * H * D + i, F32) * scale;
-        /* scores: per query head, 8 keys per pass (the 8 K rows of a pass stay in L1 for the G heads that share
-         * their kv head); a tail of < 8 keys, or D not a multiple of 8, goes one key at a time */
-        for (int64_t h = 0; h < H; h++) {
-            int64_t hk = h / G;
-            const float *qh = qf + h * D;
-            float *sh = s + h * Lp;
-            int64_t l = 0;
-            if (D % 8 == 0)
-                for (; l + 8 <= n; l += 8) {
-                    const char *rows[8];
-                    for (int i = 0; i < 8; i++) rows[i] = kc + (sl[l + i] * row + hk * D) * esz;
-                    _mm256_storeu_ps(sh + l, dots8(qh, D, rows, F32));
-                }
-            for (; l < n; l++) sh[l] = dot1(qh, D, kc + (sl[l] * row + hk * D) * esz, F32);
-        }
-        for (int64_t h = 0; h < H; h++) {  /* softmax per query head, 8 scores at a time */
-            float *sh = s + h * Lp;
-            float mx = -INFINITY;
-            for (int64_t l = 0; l < n; l++) mx = sh[l] > mx ? sh[l] : mx;
-            __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
-            int64_t l = 0;
-            for (; l + 8 <= n; l += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + l), vmx));
-                _mm256_storeu_ps(sh + l, e);
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            float sum = hsum(vsum);
-            for (; l < n; l++) {
-                sh[l] = expf(sh[l] - mx);
-                sum += sh[l];
-            }
-            float inv = n > 0 ? 1.0f / sum : 0.0f;
-            for (l = 0; l < n; l++) sh[l] *= inv;
-        }
-        /* weighted values: per query head and 64-lane chunk of D, accumulators in registers over all slots */
-        for (int64_t h = 0; h < H; h++) {
-            const char *vbase = vc + (h / G) * D * esz;
-            const float *ph = s + h * Lp;
-            float *oh = acc + h * D;
-            int64_t nvec = D / 8;
-            for (int64_t v0 = 0; v0 < nvec; v0 += 8) {
-                int64_t d0 = 8 * v0;
-                switch (nvec - v0 >= 8 ? 8 : nvec - v0) {
-                    case 1: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 1, oh, F32); break;
-                    case 2: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 2, oh, F32); break;
-                    case 3: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 3, oh, F32); break;
-                    case 4: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 4, oh, F32); break;
-                    case 5: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 5, oh, F32); break;
-                    case 6: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 6, oh, F32); break;
-                    case 7: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 7, oh, F32); break;
-                    default: wsum_chunk(ph, n, vbase, sl, row * esz, d0, 8, oh, F32); break;
-                }
-            }
-            int64_t d0 = 8 * nvec;
-            for (int64_t d = d0; d < D; d++) {  /* D % 8 tail lanes */
-                float t = 0.0f;
-                for (int64_t l = 0; l < n; l++) t += ph[l] * kv1(vbase + sl[l] * row * esz, d, F32);
-                oh[d] = t;
-            }
-        }
-        if (F32)
-            memcpy((float *)out + b * H * D, acc, (size_t)(H * D) * sizeof(float));
-        else
-            for (int64_t i = 0; i < H * D; i++) ((uint16_t *)out)[b * H * D + i] = f32_to_bf16(acc[i]);
-    }
-    _mm_setcsr(csr);
-    free(qf);
-    free(acc);
-    free(s);
+    free(scratch);
     return 0;
 }
 
 int tetri_decode_attn_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *slots, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
-                           int64_t Hkv, int64_t D, int64_t L, float scale) {
-    return decode_attn(q, k_cache, v_cache, slots, lengths, out, B, H, Hkv, D, L, scale, 0);
+                           int64_t Hkv, int64_t D, int64_t L, float scale, int64_t nthreads) {
+    return decode_attn(q, k_cache, v_cache, slots, lengths, out, B, H, Hkv, D, L, scale, nthreads, 0);
 }
 
 int tetri_decode_attn_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
                           const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                          int64_t L, float scale) {
-    return decode_attn(q, k_cache, v_cache, slots, lengths, out, B, H, Hkv, D, L, scale, 1);
+                          int64_t L, float scale, int64_t nthreads) {
+    return decode_attn(q, k_cache, v_cache, slots, lengths, out, B, H, Hkv, D, L, scale, nthreads, 1);
 }
 
 /* ---- small per-token ops of a decode step, fused (each replaces 3-6 torch ops of a few microseconds) ---------- */

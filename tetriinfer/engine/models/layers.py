@@ -16,6 +16,7 @@ from tetriinfer.engine.cpu_kernels import (
     gemm_bf16_avx512,
     gemv,
     kernels_available,
+    kernels_threaded,
 )
 
 # Below this many rows a reduced-precision matmul stays native: it is memory-bound (decode), and reading
@@ -44,10 +45,11 @@ FUSED_MAX_ROWS = 64
 
 
 def native_ok(x: torch.Tensor) -> bool:
-    """The conditions every native decode kernel shares: a CPU tensor in fp32 or bf16, inference mode, one torch
-    thread (the kernels are single-threaded; several threads mean torch's parallel kernels win), kernels built."""
+    """The conditions every native decode kernel shares: a CPU tensor in fp32 or bf16, inference mode, kernels
+    built, and either kernels that split their work over torch's threads (OpenMP builds) or one torch thread (a
+    single-threaded build would leave the other threads idle while torch's parallel kernels use them all)."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
-            and torch.get_num_threads() == 1 and kernels_available())
+            and kernels_available() and (kernels_threaded() or torch.get_num_threads() == 1))
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -59,7 +61,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that, on CPUs without native bf16 / fp16 instructions, computes
     reduced-precision matmuls of >= UPCAST_MIN_ROWS rows in fp32 (AVX2: torch's bf16 GEMM runs ~5x slower than
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
-    `tetriinfer.engine.cpu_kernels` when it is available and the engine runs one torch thread; fp32 matmuls of at
+    `tetriinfer.engine.cpu_kernels` when it is available (see `native_ok`); fp32 matmuls of at
     most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions; on CPUs with bf16
     instructions, bf16 matmuls of at most `bf16_native_matmul_max_rows()` rows take the AVX-512 BF16 kernel (where
     it is built; fewer rows on AMX CPUs), else the AVX2 one (not on AMX CPUs). Same arithmetic as
@@ -95,8 +97,8 @@ def bf16_native_matmul_max_rows() -> int:
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a few-row matmul of `x` [T, in] by `weight` [out, in] (both bf16 or both fp32) can go to the native
-    AVX2 kernel: a CPU with the kernels built, one torch thread (the kernel is single-threaded), inference mode."""
+    """Whether a few-row matmul of `x` [T, in] by `weight` [out, in] (both bf16 or both fp32) can go to a native
+    kernel: `native_ok` (kernels built, inference mode, threads they can use) and a contiguous weight."""
     return x.dtype == weight.dtype and 0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous() and native_ok(x)
 
 
