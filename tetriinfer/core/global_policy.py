@@ -33,7 +33,8 @@ instance keeps its routings since its latest report in a heap by routing time wi
 (pruned incrementally as newer reports arrive), and its awaiting-first-token prompts in a dict with a running
 total, so ``_extra`` and ``backlog_tokens`` are O(1) amortized instead of sums over every routed request.
 
-Invariants: a request id is added once; phases only move forward; every request reaches exactly one
+Invariants: a request id is added once; phases only move forward (except ``reroute`` and ``restart``, which send a
+routed request back to ARRIVED when its instance drained it away or died); every request reaches exactly one
 terminal phase (a second terminal transition is refused); nothing reads a clock (``now`` is passed).
 """
 
@@ -312,6 +313,21 @@ class GlobalPolicy:
         self._settle_prefill(rec)
         rec.phase = Phase.ARRIVED
         rec.prefill_instance = None
+
+    def restart(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Send a PREFILL or DECODE request back to ARRIVED to be prefilled again from ``num_prompt_tokens``
+        (its prompt plus the tokens already streamed): an instance holding it died. The only backward move of a
+        phase besides ``reroute``; its first-token time and output count are kept (the client's stream goes on)."""
+        rec = self._table[request_id]
+        if rec.phase not in (Phase.PREFILL, Phase.DECODE):
+            raise ValueError(f"request {request_id!r} is {rec.phase.value}; only a routed request can restart")
+        if num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+        self._settle_prefill(rec)
+        rec.phase = Phase.ARRIVED
+        rec.prefill_instance = rec.decode_instance = None
+        rec.num_prompt_tokens = num_prompt_tokens
+        rec.prefix_digests = ()
 
     # ---- progress --------------------------------------------------------------------------
     def on_dispatched(self, request_id: str, decode_instance: str) -> None:
