@@ -2,7 +2,7 @@
 
 Every stream completes, its text equals the undisturbed run's, no request hangs, new requests succeed, and the
 survivors' KV blocks return to 0 (tiny model, loopback, small sizes; the 100-stream version is
-``scripts/soak.py``)."""
+``scripts/soak.py``). Then frames from a peer without the cluster's control key are dropped by the survivors."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
+import zmq
 
 from tests.serve_helpers import ServeProcess
+from tetriinfer.runtime import messages as m
 
 STREAMS = 16
 MAX_TOKENS = 40
@@ -103,5 +105,18 @@ def test_killed_decode_then_prefill_instance_streams_continue_unchanged(tiny_lla
         assert srv.cluster()["requests_in_flight"] == 0
         assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
         assert _run_with_kill(srv, model, range(2), None, "running") == baseline[:2]  # new requests succeed
+
+        # An unknown peer (no control key) tells every survivor to shut down and aborts nothing: all dropped.
+        ctx = zmq.Context()
+        for inst in _instances(srv).values():
+            if inst["state"] != "dead":
+                sock = ctx.socket(zmq.PUSH)
+                sock.connect(inst["address"])
+                sock.send(m.encode(m.Shutdown()))  # unsigned: this process holds no key
+                sock.send(b"\x00garbage")
+                sock.close(linger=1000)
+        ctx.term()
+        assert _run_with_kill(srv, model, range(2), None, "running") == baseline[:2]
+        assert {k for k, v in _instances(srv).items() if v["state"] != "dead"} == {"prefill-1", "decode-1"}
     finally:
         srv.stop()

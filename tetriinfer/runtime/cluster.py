@@ -54,6 +54,7 @@ from tetriinfer.runtime.launcher import (
     make_launcher,
 )
 from tetriinfer.runtime.messages import (
+    CONTROL_KEY_ENV,
     Abort,
     DecodeLoads,
     Dispatched,
@@ -77,6 +78,8 @@ from tetriinfer.runtime.messages import (
     Yielded,
     decode,
     encode,
+    encode_load,
+    front_end_control_key,
 )
 from tetriinfer.runtime.recovery import continuation
 from tetriinfer.runtime.worker_base import load_from_wire
@@ -257,10 +260,15 @@ class ClusterEngineClient:
             self._connect(info)
         await self._send_peer_table()
         if c.warm_spares:
-            await asyncio.to_thread(self._launcher.prime, INSTANCE_ENV)  # for scale-out and replacements
+            await asyncio.to_thread(self._launcher.prime, self._instance_env())  # for scale-out and replacements
         self._started = True
         self._tasks.append(asyncio.create_task(self._receive_loop()))
         self._tasks.append(asyncio.create_task(self._monitor_loop()))
+
+    @staticmethod
+    def _instance_env() -> dict[str, str]:
+        """Environment of every instance: offline, unbuffered, and the control key its frames are signed with."""
+        return {**INSTANCE_ENV, CONTROL_KEY_ENV: front_end_control_key().hex()}
 
     async def _launch(self, role: str, slot: Slot) -> InstanceInfo:
         """Start one instance of ``role`` in ``slot`` (its id: the role's next number) and add it to the table."""
@@ -270,7 +278,7 @@ class ClusterEngineClient:
         spec = self._spec(iid, role, slot, self._front_address)
         assert self._launcher is not None
         proc = await asyncio.to_thread(
-            self._launcher.start, slot, [*INSTANCE_MODULE, encode_spec(spec).hex()], INSTANCE_ENV)
+            self._launcher.start, slot, [*INSTANCE_MODULE, encode_spec(spec).hex()], self._instance_env())
         info = InstanceInfo(iid, role, proc, node=slot.node, slot=slot)
         self.instances[iid] = info
         return info
@@ -489,7 +497,10 @@ class ClusterEngineClient:
                 await self._kill_all()
                 raise RuntimeError("instances did not start in time")
             if await self._pull.poll(200):
-                msg = decode(await self._pull.recv())
+                try:
+                    msg = decode(await self._pull.recv())
+                except Exception:  # noqa: BLE001 - an unauthenticated or malformed frame is dropped
+                    continue
                 if isinstance(msg, Hello) and msg.instance_id in self.instances:
                     self.instances[msg.instance_id].hello = msg
                     self.instances[msg.instance_id].last_seen = time.time()
@@ -916,7 +927,7 @@ class ClusterEngineClient:
             payload = []
             for w in decode_loads:
                 rep = annotated.get(w.instance_id, load_from_wire(w))
-                payload.append(encode(wire_load(replace(rep), w.busy_s, w.steps)))
+                payload.append(encode_load(wire_load(replace(rep), w.busy_s, w.steps)))
             msg = encode(DecodeLoads(payload))
             for info in self.instances.values():
                 if info.role == "prefill" and info.socket is not None and info.alive:
