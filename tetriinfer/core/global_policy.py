@@ -28,13 +28,20 @@ prefill: its latest report plus what was routed there since (stale by up to a re
 after the report still counts), and the prompts routed there that have not streamed their first token yet
 (exact as of the last message, but a prompt part-way through its chunks counts whole).
 
-Invariants: a request id is added once; phases only move forward; every request reaches exactly one
+Cost: routing is O(I log n) per request for I instances and n routings not yet covered by a report. Each
+instance keeps its routings since its latest report in a heap by routing time with a running token total
+(pruned incrementally as newer reports arrive), and its awaiting-first-token prompts in a dict with a running
+total, so ``_extra`` and ``backlog_tokens`` are O(1) amortized instead of sums over every routed request.
+
+Invariants: a request id is added once; phases only move forward (except ``reroute`` and ``restart``, which send a
+routed request back to ARRIVED when its instance drained it away or died); every request reaches exactly one
 terminal phase (a second terminal transition is refused); nothing reads a clock (``now`` is passed).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,15 +123,58 @@ class LocalPrefillConfig:
             raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
 
 
+class _RoutedSince:
+    """Prompt tokens routed to one instance, keyed by routing time, with their running total.
+
+    Invariant: ``total == sum(n for _, n in heap)``; every entry has ``t > horizon`` once pruned to ``horizon``
+    (entries at or before the latest report's time are already reflected in that report)."""
+
+    __slots__ = ("heap", "total")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int]] = []
+        self.total = 0
+
+    def add(self, t: float, tokens: int) -> None:
+        heapq.heappush(self.heap, (t, tokens))
+        self.total += tokens
+
+    def prune(self, horizon: float) -> int:
+        """Drop routings at or before ``horizon``; the tokens routed after it."""
+        heap = self.heap
+        while heap and heap[0][0] <= horizon:
+            self.total -= heapq.heappop(heap)[1]
+        return self.total
+
+
+class _Awaiting:
+    """Request id -> prompt tokens routed to one instance with no first token yet, with the running total.
+
+    Invariant: ``total == sum(by_id.values())``."""
+
+    __slots__ = ("by_id", "total")
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, int] = {}
+        self.total = 0
+
+    def add(self, request_id: str, tokens: int) -> None:
+        self.total += tokens - self.by_id.get(request_id, 0)
+        self.by_id[request_id] = tokens
+
+    def pop(self, request_id: str) -> None:
+        self.total -= self.by_id.pop(request_id, 0)
+
+
 class GlobalPolicy:
     def __init__(self, local_prefill: LocalPrefillConfig | None = None,
                  affinity: PrefixAffinity | None = None) -> None:
         self.local_prefill = local_prefill or LocalPrefillConfig()
         self.affinity = affinity  # prefix-aware routing when set
         self._table: dict[str, RequestRecord] = {}
-        self._routed: dict[str, list[tuple[float, int]]] = {}  # instance -> (routed at, tokens)
+        self._routed: dict[str, _RoutedSince] = {}  # instance -> (routed at, tokens) not yet in a report
         # instance -> {request id: prompt tokens} routed there to be prefilled, no first token seen yet
-        self._awaiting_first: dict[str, dict[str, int]] = {}
+        self._awaiting_first: dict[str, _Awaiting] = {}
         self.num_local_prefills = 0
 
     def add(
@@ -183,8 +233,10 @@ class GlobalPolicy:
             self.affinity.forget(instance_id)
 
     def _extra(self, report: LoadReport) -> int:
-        """Prompt tokens routed to ``report``'s instance after the report was built."""
-        return sum(n for t, n in self._routed.get(report.instance_id, []) if t > report.time)
+        """Prompt tokens routed to ``report``'s instance after the report was built (amortized O(log n): routings
+        a report already covers are dropped for good, as a newer report covers them too)."""
+        routed = self._routed.get(report.instance_id)
+        return 0 if routed is None else routed.prune(report.time)
 
     def backlog_tokens(self, report: LoadReport) -> int:
         """Prompt tokens ``report``'s instance still has to prefill (see the module docstring)."""
@@ -193,12 +245,14 @@ class GlobalPolicy:
         awaiting = self._awaiting_first.get(report.instance_id)
         if awaiting is None:  # nothing routed there through this policy: the reports are all there is
             return from_reports
-        return min(from_reports, sum(awaiting.values()))
+        return min(from_reports, awaiting.total)
 
     def _settle_prefill(self, rec: RequestRecord) -> None:
         """``rec`` streamed its first token, ended or left its prefill instance: no longer part of a backlog."""
         if rec.prefill_instance is not None:
-            self._awaiting_first.get(rec.prefill_instance, {}).pop(rec.request_id, None)
+            awaiting = self._awaiting_first.get(rec.prefill_instance)
+            if awaiting is not None:
+                awaiting.pop(rec.request_id)
 
     def pick_local(self, num_prompt_tokens: int, loads: Sequence[LoadReport], prefill_iid: str | None) -> str | None:
         """The decode instance that should prefill this prompt itself (conditional disaggregation), or None
@@ -227,27 +281,28 @@ class GlobalPolicy:
         if rec.phase is not Phase.ARRIVED:
             raise ValueError(f"request {request_id!r} is {rec.phase.value}, not arrived")
         for r in loads:  # forget routings already reflected in a newer report
-            if r.instance_id in self._routed:
-                self._routed[r.instance_id] = [(t, n) for t, n in self._routed[r.instance_id] if t > r.time]
+            routed = self._routed.get(r.instance_id)
+            if routed is not None:
+                routed.prune(r.time)
         iid = self.pick_prefill(loads, rec.prefix_digests)
         local = self.pick_local(rec.num_prompt_tokens, loads, iid)
         if local is not None:
-            self._routed.setdefault(local, []).append((now, rec.num_prompt_tokens))
+            self._routed.setdefault(local, _RoutedSince()).add(now, rec.num_prompt_tokens)
             rec.phase = Phase.DECODE
             rec.prefill_instance = rec.decode_instance = local
-            self._awaiting_first.setdefault(local, {})[request_id] = rec.num_prompt_tokens
+            self._awaiting_first.setdefault(local, _Awaiting()).add(request_id, rec.num_prompt_tokens)
             self.num_local_prefills += 1
             return local
         if iid is None:
             return None
         cached = self._cached(iid, rec.prefix_digests)
-        self._routed.setdefault(iid, []).append((now, rec.num_prompt_tokens - cached))
+        self._routed.setdefault(iid, _RoutedSince()).add(now, rec.num_prompt_tokens - cached)
         if self.affinity is not None and rec.prefix_digests:
             report = next(r for r in loads if r.instance_id == iid)
             self.affinity.record(iid, rec.prefix_digests, report.num_blocks or None)
         rec.phase = Phase.PREFILL
         rec.prefill_instance = iid
-        self._awaiting_first.setdefault(iid, {})[request_id] = rec.num_prompt_tokens - cached
+        self._awaiting_first.setdefault(iid, _Awaiting()).add(request_id, rec.num_prompt_tokens - cached)
         return iid
 
     def reroute(self, request_id: str) -> None:
@@ -258,6 +313,21 @@ class GlobalPolicy:
         self._settle_prefill(rec)
         rec.phase = Phase.ARRIVED
         rec.prefill_instance = None
+
+    def restart(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Send a PREFILL or DECODE request back to ARRIVED to be prefilled again from ``num_prompt_tokens``
+        (its prompt plus the tokens already streamed): an instance holding it died. The only backward move of a
+        phase besides ``reroute``; its first-token time and output count are kept (the client's stream goes on)."""
+        rec = self._table[request_id]
+        if rec.phase not in (Phase.PREFILL, Phase.DECODE):
+            raise ValueError(f"request {request_id!r} is {rec.phase.value}; only a routed request can restart")
+        if num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+        self._settle_prefill(rec)
+        rec.phase = Phase.ARRIVED
+        rec.prefill_instance = rec.decode_instance = None
+        rec.num_prompt_tokens = num_prompt_tokens
+        rec.prefix_digests = ()
 
     # ---- progress --------------------------------------------------------------------------
     def on_dispatched(self, request_id: str, decode_instance: str) -> None:

@@ -5,7 +5,13 @@ arrive (``generate``; row in the request status table) -> routed to the least-lo
 first token (from the prefill instance) -> dispatched (decode instance chosen) -> tokens (from the decode
 instance) -> finished | aborted | failed. Colocated modes skip the dispatch. Tokens can arrive from two
 instances over different sockets, so they are reordered by output index before streaming. Every request
-ends with exactly one terminal event; instance failures end their requests with an error.
+ends with exactly one terminal event.
+
+Instance failure: when the monitor finds an instance dead, every unfinished request it held is sent again to a
+live instance (``runtime.recovery``): one that had not started is routed again; one that had streamed tokens is
+prefilled again from its prompt plus those tokens under a new engine id and continues the same client stream (no
+duplicate, no missing token). Survivors are told to abort the old engine id (freeing its KV), and messages about it
+are dropped. Only when no live instance can take a request does it end with an error event.
 
 The cluster monitor keeps the instance table (role, pid, host, state, last report), aggregates decode
 load and broadcasts it to prefill instances every report interval, and, with flipping on, runs the flip
@@ -48,6 +54,7 @@ from tetriinfer.runtime.launcher import (
     make_launcher,
 )
 from tetriinfer.runtime.messages import (
+    CONTROL_KEY_ENV,
     Abort,
     DecodeLoads,
     Dispatched,
@@ -71,7 +78,10 @@ from tetriinfer.runtime.messages import (
     Yielded,
     decode,
     encode,
+    encode_load,
+    front_end_control_key,
 )
+from tetriinfer.runtime.recovery import continuation
 from tetriinfer.runtime.worker_base import load_from_wire
 
 
@@ -119,6 +129,16 @@ class _Stream:
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     new_request: NewRequest | None = None  # what was sent, kept to route it again (queue rebalancing)
+    original: NewRequest | None = None  # attempt 0 as sent (recovery continues from it)
+    attempt: int = 0  # how many times it was sent again after an instance died (runtime.recovery)
+    engine_id: str = ""  # the id instances know the current attempt by
+    offset: int = 0  # output tokens streamed before the current attempt (its index 0 is this output index)
+    streamed: list[int] = field(default_factory=list)  # every output token id delivered, in order
+    prefill_id: str | None = None  # the instance the current attempt was routed to
+    recovering: bool = False  # being routed again after an instance died
+
+    def __post_init__(self) -> None:
+        self.engine_id = self.engine_id or self.request_id
 
 
 INSTANCE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -136,6 +156,8 @@ class ClusterEngineClient:
         self.eos_token_id: int | None = None
         self.instances: dict[str, InstanceInfo] = {}
         self.streams: dict[str, _Stream] = {}
+        self._by_engine_id: dict[str, _Stream] = {}  # the current attempt's engine id -> its stream
+        self.num_recovered = 0  # requests sent again after an instance holding them died
         self.policy = GlobalPolicy(LocalPrefillConfig(
             enabled=config.local_prefill and config.disaggregated, interference_weight=config.local_prefill_weight,
         ), config.prefix_affinity())
@@ -174,7 +196,14 @@ class ClusterEngineClient:
         return self._tokenizer
 
     def is_healthy(self) -> bool:
-        return self._started and not self._closing and all(i.process.poll() is None for i in self.instances.values())
+        """Started, not closing, and able to serve a new request: a live instance can prefill it and, when
+        disaggregated, a live instance can decode it (a dead instance's requests are recovered by the others)."""
+        if not self._started or self._closing:
+            return False
+        live = {i.role for i in self.instances.values() if i.alive and not i.member.state.final}
+        if not live & {"prefill", "colocated"} and not (self.config.local_prefill and "decode" in live):
+            return False
+        return not self.config.disaggregated or self.config.keep_decode or "decode" in live
 
     async def start(self) -> None:
         """Place and start the instances, load the tokenizer meanwhile, wait for every instance's hello, hand out
@@ -230,10 +259,15 @@ class ClusterEngineClient:
             self._connect(info)
         await self._send_peer_table()
         if c.warm_spares:
-            await asyncio.to_thread(self._launcher.prime, INSTANCE_ENV)  # for scale-out and replacements
+            await asyncio.to_thread(self._launcher.prime, self._instance_env())  # for scale-out and replacements
         self._started = True
         self._tasks.append(asyncio.create_task(self._receive_loop()))
         self._tasks.append(asyncio.create_task(self._monitor_loop()))
+
+    @staticmethod
+    def _instance_env() -> dict[str, str]:
+        """Environment of every instance: offline, unbuffered, and the control key its frames are signed with."""
+        return {**INSTANCE_ENV, CONTROL_KEY_ENV: front_end_control_key().hex()}
 
     async def _launch(self, role: str, slot: Slot) -> InstanceInfo:
         """Start one instance of ``role`` in ``slot`` (its id: the role's next number) and add it to the table."""
@@ -243,7 +277,7 @@ class ClusterEngineClient:
         spec = self._spec(iid, role, slot, self._front_address)
         assert self._launcher is not None
         proc = await asyncio.to_thread(
-            self._launcher.start, slot, [*INSTANCE_MODULE, encode_spec(spec).hex()], INSTANCE_ENV)
+            self._launcher.start, slot, [*INSTANCE_MODULE, encode_spec(spec).hex()], self._instance_env())
         info = InstanceInfo(iid, role, proc, node=slot.node, slot=slot)
         self.instances[iid] = info
         return info
@@ -462,7 +496,10 @@ class ClusterEngineClient:
                 await self._kill_all()
                 raise RuntimeError("instances did not start in time")
             if await self._pull.poll(200):
-                msg = decode(await self._pull.recv())
+                try:
+                    msg = decode(await self._pull.recv())
+                except Exception:  # noqa: BLE001 - an unauthenticated or malformed frame is dropped
+                    continue
                 if isinstance(msg, Hello) and msg.instance_id in self.instances:
                     self.instances[msg.instance_id].hello = msg
                     self.instances[msg.instance_id].last_seen = time.time()
@@ -530,16 +567,19 @@ class ClusterEngineClient:
             oracle_output_tokens = params.max_tokens  # the output length is known exactly (oracle ablations)
         stream = _Stream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
+        self._by_engine_id[request_id] = stream
         self.policy.add(request_id, time.time(), len(prompt_token_ids), prompt_token_ids=prompt_token_ids)
         try:
-            target = await self._route(request_id)
-            stream.instances.add(target)
             msg = NewRequest(
                 request_id, list(prompt_token_ids), WireParams.from_params(params), time.time(),
                 self.eos_token_id, oracle_output_tokens,
             )
-            stream.new_request = msg
-            await self.instances[target].socket.send(encode(msg))  # type: ignore[union-attr]
+            stream.new_request = stream.original = msg
+            target = await self._route(request_id)
+            stream.instances.add(target)
+            stream.prefill_id = target
+            if stream.attempt == 0 and not stream.finished:  # else an instance died meanwhile: recovery sent it
+                await self._send_to(stream, target, msg)
             while True:
                 event: TokenEvent = await stream.queue.get()
                 yield event
@@ -549,6 +589,8 @@ class ClusterEngineClient:
             if not stream.finished:
                 await self.abort(request_id)
             self.streams.pop(request_id, None)
+            if self._by_engine_id.get(stream.engine_id) is stream:
+                del self._by_engine_id[stream.engine_id]
             with contextlib.suppress(KeyError, ValueError):
                 self._count_ttft(self.policy.forget(request_id))
 
@@ -590,10 +632,73 @@ class ClusterEngineClient:
         stream = self.streams.get(request_id)
         if stream is not None and not stream.finished:
             self._finish_stream(stream, "abort")
-        for info in self.instances.values():
+        engine_id = stream.engine_id if stream is not None else request_id
+        for info in list(self.instances.values()):
             if info.socket is not None and info.process.poll() is None:
                 with contextlib.suppress(zmq.ZMQError):
-                    await info.socket.send(encode(Abort(request_id)))
+                    await info.socket.send(encode(Abort(engine_id)))
+
+    async def _send_to(self, stream: _Stream, target: str, msg: NewRequest) -> None:
+        """Send ``msg`` (the stream's current attempt) to ``target``; if it is gone meanwhile, recover."""
+        info = self.instances.get(target)
+        try:
+            await info.socket.send(encode(msg))  # type: ignore[union-attr]
+        except (AttributeError, zmq.ZMQError):
+            self._recover(stream, f"instance {target} is gone")
+
+    def _stream_of(self, engine_id: str) -> _Stream | None:
+        """The unfinished stream whose current attempt has this engine id (None: an older attempt, or ended)."""
+        stream = self._by_engine_id.get(engine_id)
+        return None if stream is None or stream.finished else stream
+
+    # ---- recovery after an instance died ---------------------------------------------------
+    def _recover(self, stream: _Stream, why: str) -> None:
+        """Send ``stream``'s request again to a live instance as a continuation (``runtime.recovery``); survivors
+        abort the old attempt. Ends the stream with an error only when no live instance can take it."""
+        if stream.finished or stream.recovering or stream.original is None:
+            return
+        old = stream.engine_id
+        stream.recovering = True
+        stream.attempt += 1
+        stream.offset = stream.next_index
+        stream.pending.clear()
+        stream.instances = set()
+        stream.prefill_id = None
+        if self._by_engine_id.get(old) is stream:
+            del self._by_engine_id[old]
+        self._tasks.append(asyncio.create_task(self._broadcast_aborts([old])))
+        try:
+            msg = continuation(stream.original, stream.attempt, stream.streamed)
+        except ValueError as e:
+            self._finish_stream(stream, "error", error=f"{why}; cannot continue: {e}")
+            return
+        stream.engine_id = msg.request_id
+        stream.new_request = msg
+        self._by_engine_id[msg.request_id] = stream
+        self.num_recovered += 1
+        self._tasks.append(asyncio.create_task(self._resend(stream, msg, why)))
+
+    async def _resend(self, stream: _Stream, msg: NewRequest, why: str) -> None:
+        rid = stream.request_id
+        try:
+            with contextlib.suppress(KeyError, ValueError):
+                self.policy.restart(rid, len(msg.prompt_token_ids))
+            target = await self._route(rid)
+        except RuntimeError as e:  # nothing live can prefill it
+            stream.recovering = False
+            self._finish_stream(stream, "error", error=f"{why}; {e}")
+            return
+        except (KeyError, ValueError):  # ended (and maybe forgotten) meanwhile
+            stream.recovering = False
+            if not stream.finished:
+                self._finish_stream(stream, "error", error=f"{why}; the request could not be routed again")
+            return
+        stream.recovering = False
+        if stream.finished or stream.engine_id != msg.request_id:
+            return
+        stream.instances.add(target)
+        stream.prefill_id = target
+        await self._send_to(stream, target, msg)
 
     # ---- receiving -------------------------------------------------------------------------
     def _finish_stream(self, stream: _Stream, reason: str, stop: int | None = None, error: str | None = None) -> None:
@@ -614,17 +719,20 @@ class ClusterEngineClient:
 
     def _on_tokens(self, msg: Tokens) -> None:
         for item in msg.items:
-            stream = self.streams.get(item.request_id)
-            if stream is None or stream.finished:
+            stream = self._stream_of(item.request_id)
+            if stream is None or stream.recovering:
                 continue
             stream.instances.add(msg.instance_id)
-            stream.pending[item.index] = item
+            if msg.instance_id != stream.prefill_id and item.token_ids:
+                stream.instances.discard(stream.prefill_id)  # decoding elsewhere: the KV left its prefill instance
+            stream.pending[item.index + stream.offset] = item
             while stream.next_index in stream.pending and not stream.finished:
                 it = stream.pending.pop(stream.next_index)
                 if it.token_ids:
                     if stream.first_token is None:
                         stream.first_token = time.perf_counter()
                     stream.next_index += len(it.token_ids)
+                    stream.streamed.extend(it.token_ids)
                     with contextlib.suppress(KeyError):
                         self.policy.on_tokens(stream.request_id, len(it.token_ids), time.time())
                     stream.queue.put_nowait(
@@ -655,12 +763,13 @@ class ClusterEngineClient:
                     info.last_seen = time.time()
                     info.role = msg.role if info.role != "colocated" else info.role
             elif isinstance(msg, Dispatched):
-                stream = self.streams.get(msg.request_id)
-                if stream is not None:  # it holds the request from now on: its failure must end it
-                    stream.instances.add(msg.decode_id)
-                    self._fail_if_gone(stream, msg.decode_id)
+                stream = self._stream_of(msg.request_id)
+                if stream is None or stream.recovering:
+                    continue
+                stream.instances.add(msg.decode_id)  # it holds the request from now on: its failure must recover it
                 with contextlib.suppress(KeyError, ValueError):
-                    self.policy.on_dispatched(msg.request_id, msg.decode_id)
+                    self.policy.on_dispatched(stream.request_id, msg.decode_id)
+                self._recover_if_gone(stream, msg.decode_id)
                 target = self.instances.get(msg.decode_id)
                 if target is not None and target.role == "prefill":  # kept there to decode (--keep-decode)
                     self.num_kept_decodes += 1
@@ -681,13 +790,14 @@ class ClusterEngineClient:
             elif isinstance(msg, Yielded):
                 self._tasks.append(asyncio.create_task(self._on_yielded(msg)))
             elif isinstance(msg, Migrating):
-                for rid in msg.request_ids:  # its target now holds it too: a failure there must end it
-                    stream = self.streams.get(rid)
-                    if stream is not None:
-                        stream.instances.add(msg.target)
-                        self._fail_if_gone(stream, msg.target)
+                for rid in msg.request_ids:  # its target now holds it too: a failure there must recover it
+                    stream = self._stream_of(rid)
+                    if stream is None or stream.recovering:
+                        continue
+                    stream.instances.add(msg.target)
                     with contextlib.suppress(KeyError, ValueError):
-                        self.policy.on_dispatched(rid, msg.target)
+                        self.policy.on_dispatched(stream.request_id, msg.target)
+                    self._recover_if_gone(stream, msg.target)
             elif isinstance(msg, MigrationDone):
                 self._on_migration_done(msg)
             elif isinstance(msg, Retired):
@@ -708,10 +818,11 @@ class ClusterEngineClient:
         avoided. A request whose client went away meanwhile is dropped (its abort already went to every
         instance); one that cannot be routed now waits in ``_route`` like a new arrival."""
         self.rebalancer.done(msg.instance_id)
-        for rid in msg.request_ids:
-            stream = self.streams.get(rid)
-            if stream is None or stream.finished or stream.new_request is None:
+        for eid in msg.request_ids:
+            stream = self._stream_of(eid)
+            if stream is None or stream.recovering or stream.new_request is None:
                 continue
+            rid = stream.request_id
             try:
                 self.policy.reroute(rid)
                 target = await self._route(rid, avoid=msg.instance_id)
@@ -720,14 +831,13 @@ class ClusterEngineClient:
             except RuntimeError as e:  # nothing left that can prefill it
                 self._finish_stream(stream, "error", error=str(e))
                 continue
-            if stream.finished:
+            if stream.finished or stream.engine_id != eid:
                 continue
+            stream.instances.discard(msg.instance_id)
             stream.instances.add(target)
+            stream.prefill_id = target
             self.num_migrated += 1
-            try:
-                await self.instances[target].socket.send(encode(stream.new_request))  # type: ignore[union-attr]
-            except (AttributeError, KeyError, zmq.ZMQError) as e:  # gone meanwhile: end it, never lose it
-                self._finish_stream(stream, "error", error=f"re-routing after rebalancing failed: {e!r}")
+            await self._send_to(stream, target, stream.new_request)
 
     def _on_migration_done(self, msg: MigrationDone) -> None:
         self.migration.done(msg.instance_id)
@@ -742,9 +852,15 @@ class ClusterEngineClient:
         log["recent"] = [*log["recent"][-49:], {"source": msg.instance_id, "reason": msg.reason,
                                                 "moved": len(msg.moved), "returned": len(msg.returned),
                                                 "seconds": msg.seconds, "bytes": msg.num_bytes, "time": time.time()}]
-        for rid in msg.returned:  # it decodes on at its source
-            with contextlib.suppress(KeyError, ValueError):
-                self.policy.on_dispatched(rid, msg.instance_id)
+        for eid in msg.moved:  # its source no longer holds it
+            stream = self._stream_of(eid)
+            if stream is not None:
+                stream.instances.discard(msg.instance_id)
+        for eid in msg.returned:  # it decodes on at its source
+            stream = self._stream_of(eid)
+            if stream is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.policy.on_dispatched(stream.request_id, msg.instance_id)
 
     async def _plan_migrations(self) -> None:
         """Live migration round: evacuate decode or colocated instances that are leaving (retiring, or draining
@@ -810,7 +926,7 @@ class ClusterEngineClient:
             payload = []
             for w in decode_loads:
                 rep = annotated.get(w.instance_id, load_from_wire(w))
-                payload.append(encode(wire_load(replace(rep), w.busy_s, w.steps)))
+                payload.append(encode_load(wire_load(replace(rep), w.busy_s, w.steps)))
             msg = encode(DecodeLoads(payload))
             for info in self.instances.values():
                 if info.role == "prefill" and info.socket is not None and info.alive:
@@ -852,27 +968,24 @@ class ClusterEngineClient:
             info.member.to(MemberState.DEAD, now)
             self.migration.forget(info.instance_id)
             self.rebalancer.forget(info.instance_id)
+            self.policy.forget_instance(info.instance_id)  # what was routed there is recovered, not counted
 
-    def _fail_if_gone(self, stream: _Stream, instance_id: str) -> None:
-        """A request handed to an instance that already died (and, with --replace-dead, left the table) ends now
-        with an error, not when the handover times out; the instances still holding it free it."""
+    def _recover_if_gone(self, stream: _Stream, instance_id: str) -> None:
+        """A request handed to an instance that already died (and, with --replace-dead, left the table) is sent
+        again now, not when the handover times out; the instances still holding the old attempt free it."""
         info = self.instances.get(instance_id)
         if stream.finished or (info is not None and info.member.state is not MemberState.DEAD):
             return
-        self._finish_stream(stream, "error", error=f"instance {instance_id} died")
-        self._tasks.append(asyncio.create_task(self._broadcast_aborts([stream.request_id])))
+        self._recover(stream, f"instance {instance_id} died")
 
     def _fail_streams_of_dead(self) -> None:
+        """Every unfinished request a DEAD instance held is recovered (sent again to a live instance)."""
         names = {i.instance_id for i in self.instances.values() if i.member.state is MemberState.DEAD}
         if not names:
             return
-        ended = []
         for stream in list(self.streams.values()):
-            if stream.instances & names and not stream.finished:
-                self._finish_stream(stream, "error", error=f"instance {sorted(stream.instances & names)} died")
-                ended.append(stream.request_id)
-        if ended:  # the live instances that also hold them (a migration's source, a prefill copy) free them
-            self._tasks.append(asyncio.create_task(self._broadcast_aborts(ended)))
+            if stream.instances & names and not stream.finished and not stream.recovering:
+                self._recover(stream, f"instance {sorted(stream.instances & names)} died")
 
     async def _broadcast_aborts(self, request_ids: list[str]) -> None:
         for info in list(self.instances.values()):
@@ -931,5 +1044,6 @@ class ClusterEngineClient:
             "ttft_by_prefill_role": {role: {"count": n, "mean_s": total / n}
                                      for role, (n, total) in self.ttft_by_prefill_role.items()},
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
+            "recovered": self.num_recovered,
         }
 

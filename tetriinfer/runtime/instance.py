@@ -25,6 +25,7 @@ from tetriinfer.runtime.colocated_worker import ColocatedWorker
 from tetriinfer.runtime.decode_worker import DecodeWorker
 from tetriinfer.runtime.instance_spec import InstanceSpec, decode_spec
 from tetriinfer.runtime.messages import (
+    CONTROL_KEY_ENV,
     Handoff,
     Hello,
     KVDone,
@@ -40,6 +41,7 @@ from tetriinfer.runtime.messages import (
     Shutdown,
     Yield,
     Yielded,
+    control_key_from_env,
     decode,
     encode,
 )
@@ -118,6 +120,7 @@ class Instance:
         self.retire: Retire | None = None  # scale-in requested: drain, then exit
         self._empty_since: float | None = None
         self.busy_s = 0.0
+        self.num_dropped_frames = 0  # control frames that failed authentication or parsing
         self.steps = 0
         self._busy_since_report = 0.0
         self._last_report = 0.0
@@ -166,7 +169,12 @@ class Instance:
                             data = self.pull.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        if self._handle(decode(data)) is False:
+                        try:
+                            msg = decode(data)
+                        except Exception:  # noqa: BLE001 - unauthenticated (unknown peer) or malformed: dropped
+                            self.num_dropped_frames += 1
+                            continue
+                        if self._handle(msg) is False:
                             return
                 self.worker.poll_transfers()
                 t0 = time.perf_counter()
@@ -298,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args = [line]
     spec = decode_spec(bytes.fromhex(args[0]))
+    if not control_key_from_env():
+        print(f"instance needs its front end's control key in ${CONTROL_KEY_ENV}", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     apply_nice(spec.nice, spec.instance_id)
     Instance(spec).run()

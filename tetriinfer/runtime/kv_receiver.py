@@ -11,6 +11,7 @@ request's sampler state).
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +65,9 @@ class KVReceiver:
         ref = kv.k[0]
         shape = (h.num_kv_blocks, kv.block_size, *ref.shape[1:])
         staging = self.ctx.backend.alloc_like([shape] * (2 * len(kv.k)), ref.dtype)
-        tid = f"{h.request_id}#{'m' if h.migrated else ''}{attempt}"
+        # The id names the region the sender must write into; its random part travels only in KVReady over the
+        # authenticated control channel, so the KV port accepts bytes only from the expected sender.
+        tid = f"{h.request_id}#{'m' if h.migrated else ''}{attempt}.{secrets.token_hex(8)}"
         self.receiving[h.request_id] = Receiving(h, staging, tid, attempt, time.perf_counter())
         if h.kv_region is not None:  # pull: read the prefill instance's staged KV (shm: done on return)
             self.ctx.backend.read(tid, h.kv_region, staging, timeout_s=self.ctx.spec.transfer_timeout_s)

@@ -3,9 +3,20 @@
 Every message is a tagged ``msgspec.Struct``; ``encode``/``decode`` turn them into bytes and back, and
 decoding rejects anything that is not one of these types. KV bytes never travel here: they move over the
 transfer stack (``tetriinfer.transfer``) as raw buffers.
+
+Authentication: once a control key is set (``set_control_key``; the front end makes a random one per start and
+hands it to its instances in their environment, ``CONTROL_KEY_ENV``, never on a command line), every frame ``encode``
+makes carries an HMAC-SHA256 tag (16 bytes) over its bytes, and ``decode`` rejects (``ControlAuthError``) a frame
+whose tag does not verify, before parsing it: a peer that does not hold the key cannot make an instance or the front
+end act. Frames are not encrypted (keep control ports on a private network) and not replay-protected.
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
 
 import msgspec
 
@@ -283,14 +294,63 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _load_decoder = msgspec.msgpack.Decoder(WireLoad)
 
+CONTROL_KEY_ENV = "TETRIINFER_CONTROL_KEY"
+MAC_BYTES = 16
+_control_key: bytes | None = None
+
+
+class ControlAuthError(ValueError):
+    """A control frame without a valid tag for this cluster's key (an unknown peer, or a corrupted frame)."""
+
+
+def set_control_key(key: bytes | None) -> None:
+    """Sign every frame from now on with ``key`` and accept only frames signed with it (None: no authentication)."""
+    global _control_key
+    if key is not None and len(key) < 16:
+        raise ValueError("the control key must be at least 16 bytes")
+    _control_key = key
+
+
+def front_end_control_key() -> bytes:
+    """This process's control key, made (random, 32 bytes) and set on first use: one per front-end start."""
+    if _control_key is None:
+        set_control_key(secrets.token_bytes(32))
+    assert _control_key is not None
+    return _control_key
+
+
+def control_key_from_env() -> bool:
+    """An instance takes its front end's key from ``CONTROL_KEY_ENV`` (hex); returns whether one was there."""
+    value = os.environ.get(CONTROL_KEY_ENV)
+    if not value:
+        return False
+    set_control_key(bytes.fromhex(value))
+    return True
+
+
+def _tag(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()[:MAC_BYTES]
+
 
 def encode(msg: Message) -> bytes:
-    return _encoder.encode(msg)
+    data = _encoder.encode(msg)
+    return data if _control_key is None else data + _tag(_control_key, data)
 
 
 def decode(data: bytes) -> Message:
-    """Raises ``msgspec.ValidationError``/``DecodeError`` for anything that is not a known message."""
+    """Raises ``ControlAuthError`` for a frame whose tag does not verify (when a key is set), and
+    ``msgspec.ValidationError``/``DecodeError`` for anything that is not a known message."""
+    key = _control_key
+    if key is not None:
+        if len(data) <= MAC_BYTES or not hmac.compare_digest(data[-MAC_BYTES:], _tag(key, data[:-MAC_BYTES])):
+            raise ControlAuthError("control frame with a missing or invalid authentication tag")
+        data = data[:-MAC_BYTES]
     return _decoder.decode(data)
+
+
+def encode_load(load: WireLoad) -> bytes:
+    """A load report inside ``DecodeLoads`` (covered by the outer frame's tag, so not signed itself)."""
+    return _encoder.encode(load)
 
 
 def decode_load(data: bytes) -> WireLoad:

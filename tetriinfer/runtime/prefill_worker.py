@@ -17,6 +17,7 @@ the prefill scheduler to a decode scheduler of this instance (``PrefillScheduler
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -501,5 +502,7 @@ class PrefillWorker:
 
 
 def _region_id(request_id: str) -> str:
-    """Name of a request's staged KV region for pull hand-offs (unique while the request is staged here)."""
-    return f"{request_id}#kv"
+    """Name of a request's staged KV region for pull hand-offs (unique while the request is staged here). Its
+    random part travels only in the Handoff over the authenticated control channel: only the decode instance it
+    was dispatched to can name (and read) the region."""
+    return f"{request_id}#kv.{secrets.token_hex(8)}"

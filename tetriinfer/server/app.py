@@ -21,6 +21,9 @@ Behaviour (vLLM's, which users compare against):
   protected; ``/health``, ``/metrics`` and ``/version`` stay open), a failure inside the engine 500, or
   while streaming an error event followed by ``data: [DONE]``.
 - A client that disconnects (streaming or not) gets its request aborted in the engine.
+- Limits (``server.limits.ServerLimits``): prompts per request, prompt tokens per request and ``max_tokens`` are
+  checked before any prompt is tokenized or submitted (400 above them); admitted engine requests and their tokens
+  are bounded, and a request beyond the bounds is refused with 429 and ``Retry-After`` (OpenAI's error shape).
 
 The app's lifespan calls ``client.start()`` and ``client.shutdown()`` unless ``manage_client=False``.
 """
@@ -49,6 +52,7 @@ from tetriinfer import __version__
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.runtime.engine_client import EngineClient, TokenEvent
 from tetriinfer.server.detokenizer import IncrementalDetokenizer
+from tetriinfer.server.limits import Admission, ServerLimits, default_pending_tokens
 from tetriinfer.server.metrics import ServerMetrics
 from tetriinfer.server.protocol import (
     ChatCompletionRequest,
@@ -284,11 +288,56 @@ class _ApiKeyMiddleware:
 class _Server:
     """Request handling shared by the routes; holds no per-request state."""
 
-    def __init__(self, client: EngineClient, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, client: EngineClient, served_model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits | None = None) -> None:
         self.client = client
         self.model = served_model_name
         self.metrics = metrics
+        self.limits = limits = limits or ServerLimits()
+        self.admission = Admission(limits.max_pending_requests, limits.max_pending_tokens)
+        self._capacity_known = limits.max_pending_tokens is not None
         self.created = now_s()
+
+    # -- admission
+    def _resolve_capacity(self) -> None:
+        """The default token bound comes from the KV capacity, known once the client has started."""
+        if self._capacity_known:
+            return
+        try:
+            info = self.client.cluster_info()
+        except Exception:  # noqa: BLE001 - no capacity figure: keep the floor
+            info = {}
+        block = getattr(getattr(self.client, "config", None), "block_size", 16)
+        blocks = sum(int(i.get("kv_blocks_total") or 0) for i in info.get("instances", []))
+        if blocks:
+            self.admission.max_tokens = default_pending_tokens(blocks * int(block))
+            self._capacity_known = True
+        else:
+            self.admission.max_tokens = default_pending_tokens(0)
+
+    def admit(self, runs: list[_ChoiceRun]) -> tuple[int, int]:
+        """Count ``runs`` against the front-end bounds, or raise a 429; returns what to release at the end."""
+        self._resolve_capacity()
+        ticket = (len(runs), sum(r.num_prompt_tokens + r.params.max_tokens for r in runs))
+        if not self.admission.try_admit(*ticket):
+            raise OpenAIError(
+                f"The server is overloaded ({self.admission.held_requests} requests, "
+                f"{self.admission.held_tokens} tokens pending); retry after {self.limits.retry_after_s} s.",
+                status_code=429, headers={"Retry-After": str(self.limits.retry_after_s)},
+            )
+        return ticket
+
+    def check_prompt_count(self, num_prompts: int) -> None:
+        if num_prompts > self.limits.max_prompts_per_request:
+            raise OpenAIError(
+                f"too many prompts in one request: {num_prompts} > {self.limits.max_prompts_per_request} "
+                "(send them as separate requests)", param="prompt")
+
+    def check_prompt_tokens(self, total: int) -> None:
+        if total > self.limits.max_prompt_tokens_per_request:
+            raise OpenAIError(
+                f"too many prompt tokens in one request: {total} > {self.limits.max_prompt_tokens_per_request}",
+                param="prompt")
 
     # -- validation
     def check_model(self, name: str | None) -> None:
@@ -338,8 +387,14 @@ class _Server:
                 param="prompt",
             )
         left = limit - prompt_len
+        cap = self.limits.max_tokens_default
+        if default is None or (cap is not None and cap < default):
+            default = cap
         if requested is None:
             return left if default is None else min(default, left)
+        if self.limits.max_tokens_limit is not None and requested > self.limits.max_tokens_limit:
+            raise OpenAIError(f"max_tokens must be <= {self.limits.max_tokens_limit}, got {requested}",
+                              param="max_tokens")
         if requested > left:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -407,11 +462,17 @@ class _Server:
         reason = req.unsupported_reason()
         if reason:
             raise OpenAIError(reason)
+        if isinstance(req.prompt, list) and not all(isinstance(x, int) for x in req.prompt):
+            self.check_prompt_count(len(req.prompt))  # before any tokenizing
         prompts = req.prompts()
+        self.check_prompt_tokens(sum(len(p) for p in prompts if isinstance(p, list)))
         rid = new_id("cmpl")
         runs = []
+        total = 0
         for i, p in enumerate(prompts):
             ids = self.tokenize(p)
+            total += len(ids)
+            self.check_prompt_tokens(total)
             max_tokens = self.max_tokens_for(req.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
             params = self.sampling_params(req, max_tokens)
             runs.append(self.new_run(i, rid if len(prompts) == 1 else f"{rid}-{i}", ids, params, req, t0))
@@ -424,6 +485,7 @@ class _Server:
         if reason:
             raise OpenAIError(reason)
         ids = self.chat_prompt_ids(req)
+        self.check_prompt_tokens(len(ids))
         max_tokens = self.max_tokens_for(req.requested_max_tokens(), len(ids), None)
         params = self.sampling_params(req, max_tokens)
         rid = new_id("chatcmpl")
@@ -438,6 +500,7 @@ class _Server:
         *,
         chat: bool,
     ) -> Response:
+        ticket = self.admit(runs)
         self.metrics.in_flight.inc()
         handed_over = False
         try:
@@ -451,7 +514,7 @@ class _Server:
                     runs, rid, created, req)
                 handed_over = True
                 return _SSEResponse(
-                    self._counted(stream), media_type="text/event-stream",
+                    self._counted(stream, ticket), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             try:
@@ -479,8 +542,9 @@ class _Server:
                     await r.close()
             if not handed_over:
                 self.metrics.in_flight.dec()
+                self.admission.release(*ticket)
 
-    async def _counted(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _counted(self, stream: AsyncIterator[str], ticket: tuple[int, int]) -> AsyncIterator[str]:
         try:
             async for item in stream:
                 yield item
@@ -490,6 +554,7 @@ class _Server:
                 if aclose is not None:
                     await aclose()
             self.metrics.in_flight.dec()
+            self.admission.release(*ticket)
 
     async def _merged(self, runs: list[_ChoiceRun]) -> AsyncIterator[tuple[_ChoiceRun, str]]:
         """(run, delta) items of all runs as they come; one run needs no extra tasks."""
@@ -604,19 +669,21 @@ def build_app(
     metrics: ServerMetrics | None = None,
     manage_client: bool = True,
     after_start: Callable[[], None] | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``client``.
 
     ``metrics``: pass your own ``ServerMetrics`` to observe transfers/flips into it (also reachable as
     ``app.state.metrics``). ``manage_client``: start/shut down the client in the app's lifespan.
     ``after_start``: called in the lifespan once the client has started, before the first request is served.
+    ``limits``: per-request limits and front-end bounds (``ServerLimits()`` when None).
     """
     if not served_model_name:
         raise ValueError("served_model_name must be a non-empty string")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be None or a non-empty string")
     metrics = metrics if metrics is not None else ServerMetrics()
-    server = _Server(client, served_model_name, metrics)
+    server = _Server(client, served_model_name, metrics, limits or ServerLimits())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -633,17 +700,19 @@ def build_app(
     app = FastAPI(title="TetriInfer OpenAI-compatible API", version=__version__, lifespan=lifespan)
     app.state.metrics = metrics
     app.state.client = client
+    app.state.admission = server.admission
     app.state.served_model_name = served_model_name
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key, metrics=metrics)
 
-    def _error(message: str, status: int, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+    def _error(message: str, status: int, param: str | None = None, err_type: str | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.observe_error(status)
-        return JSONResponse(error_body(message, status, err_type, param), status_code=status)
+        return JSONResponse(error_body(message, status, err_type, param), status_code=status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error(exc.message, exc.status_code, exc.param, exc.err_type)
+        return _error(exc.message, exc.status_code, exc.param, exc.err_type, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -268,8 +268,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     if rt is not None:
         take_realtime()
+    limits = limits_from_args(args)
     client, name = build_client(args, layout)
-    app = build_app(client, served_model_name=name, api_key=args.api_key,
+    app = build_app(client, served_model_name=name, api_key=args.api_key, limits=limits,
                     after_start=after_start if rt is not None or frontend_cores is not None else None)
     if hasattr(client, "metrics"):
         client.metrics = app.state.metrics
@@ -291,7 +292,39 @@ def add_subparsers(subparsers: Any) -> None:
     api.add_argument("--port", type=int, default=8000)
     api.add_argument("--api-key", default=None, help="require this bearer token on every /v1 request")
     groups["observability"].add_argument("--log-level", default="warning")
+    add_limit_args(p)
     p.set_defaults(handler=_serve)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Request limits and overload bounds (``server.limits.ServerLimits``)."""
+    from tetriinfer.server import limits as lim
+
+    g = p.add_argument_group("request limits and overload (400 above a per-request limit, 429 beyond the bounds)")
+    g.add_argument("--max-prompts-per-request", type=int, default=lim.DEFAULT_MAX_PROMPTS_PER_REQUEST)
+    g.add_argument("--max-prompt-tokens-per-request", type=int, default=lim.DEFAULT_MAX_PROMPT_TOKENS_PER_REQUEST,
+                   help="prompt tokens summed over one request's prompts")
+    g.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
+                   help="cap on max_tokens when a request leaves it out (default: 16 for completions, the rest "
+                        "of the context for chat, as vLLM)")
+    g.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
+                   help="largest max_tokens accepted (default: whatever fits in the context)")
+    g.add_argument("--max-pending-requests", type=int, default=lim.DEFAULT_MAX_PENDING_REQUESTS,
+                   help="engine requests admitted and unfinished at once; beyond: 429 with Retry-After")
+    g.add_argument("--max-pending-tokens", type=int, default=None, metavar="N",
+                   help="prompt + max_tokens tokens admitted and unfinished at once (default: "
+                        f"{lim.PENDING_TOKENS_PER_KV_TOKEN}x the KV capacity in tokens); beyond: 429")
+
+
+def limits_from_args(args: argparse.Namespace) -> Any:
+    from tetriinfer.server.limits import ServerLimits
+
+    return ServerLimits(
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
+        max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
+        max_pending_requests=args.max_pending_requests, max_pending_tokens=args.max_pending_tokens,
+    )
 
 
 if __name__ == "__main__":

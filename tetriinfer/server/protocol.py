@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PromptIds = list[int]
 
@@ -24,13 +24,15 @@ class OpenAIError(Exception):
     """An error that becomes ``{"error": {...}}`` with HTTP status ``status_code``."""
 
     def __init__(
-        self, message: str, *, status_code: int = 400, err_type: str | None = None, param: str | None = None
+        self, message: str, *, status_code: int = 400, err_type: str | None = None, param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.err_type = err_type or _ERROR_TYPES.get(status_code, "BadRequestError")
         self.param = param
+        self.headers = headers
 
 
 _ERROR_TYPES = {
@@ -38,6 +40,7 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     413: "BadRequestError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -168,11 +171,27 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 class ChatMessage(BaseModel):
+    """One chat message. Every role needs ``content``: a string, or (user and assistant) a list of text parts;
+    system and developer messages take a string or text parts too. Other roles (tools) are not supported."""
+
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_for_role(self) -> ChatMessage:
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {self.role!r}")
+        if self.content is None:
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        if isinstance(self.content, list) and any(p.type != "text" or p.text is None for p in self.content):
+            raise ValueError(f"{self.role} message content parts must be {{'type': 'text', 'text': str}}")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -1,0 +1,122 @@
+"""Instance failure: kill -9 a decode instance, then a prefill instance, during concurrent greedy streams.
+
+Every stream completes, its text equals the undisturbed run's, no request hangs, new requests succeed, and the
+survivors' KV blocks return to 0 (tiny model, loopback, small sizes; the 100-stream version is
+``scripts/soak.py``). Then frames from a peer without the cluster's control key are dropped by the survivors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import zmq
+
+from tests.serve_helpers import ServeProcess
+from tetriinfer.runtime import messages as m
+
+STREAMS = 16
+MAX_TOKENS = 40
+
+
+def _prompt(i: int) -> str:
+    return f"request {i} " + "tell me more about the weather " * (1 + i % 4)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str, i: int) -> tuple[str, str | None, int]:
+    body = {"model": model, "prompt": _prompt(i), "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, used = "", None, -1
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            for ch in ev["choices"]:
+                text += ch["text"]
+                finish = ch["finish_reason"] or finish
+            if ev.get("usage"):
+                used = ev["usage"]["completion_tokens"]
+    return text, finish, used
+
+
+def _instances(srv: ServeProcess) -> dict[str, dict]:
+    return {i["id"]: i for i in srv.cluster()["instances"]}
+
+
+def _run_with_kill(srv: ServeProcess, model: str, ids: range, victim: str | None,
+                   ready: str) -> list[tuple[str, str | None, int]]:
+    """Run the streams ``ids`` at once; once ``ready`` holds on the victim, kill -9 it."""
+
+    async def go() -> list[tuple[str, str | None, int]]:
+        async with httpx.AsyncClient() as client:
+            tasks = [asyncio.create_task(_stream(client, srv.base_url, model, i)) for i in ids]
+            if victim is not None:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
+                    inst = {i["id"]: i for i in info["instances"]}[victim]
+                    if inst[ready] >= 2:
+                        break
+                    await asyncio.sleep(0.02)
+                os.kill(inst["pid"], signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
+
+    return asyncio.run(go())
+
+
+def _wait_blocks_free(srv: ServeProcess, timeout: float = 5.0) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        live = {k: v for k, v in _instances(srv).items() if v["state"] != "dead"}
+        if all(v["kv_blocks_used"] == 0 for v in live.values()) or time.monotonic() > deadline:
+            return live
+        time.sleep(0.1)
+
+
+def test_killed_decode_then_prefill_instance_streams_continue_unchanged(tiny_llama: Path) -> None:
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "2", "--decode-instances", "2",
+                       "--kv-backend", "tcp", "--chunk-size", "32", "--report-interval", "0.05")
+    try:
+        model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        baseline = _run_with_kill(srv, model, range(STREAMS), None, "running")
+        assert all(f == "length" and n == MAX_TOKENS for _, f, n in baseline)
+
+        after_decode_kill = _run_with_kill(srv, model, range(STREAMS), "decode-0", "running")
+        assert after_decode_kill == baseline  # same text, finish reason and token count for every stream
+        live = _wait_blocks_free(srv)
+        assert set(live) == {"prefill-0", "prefill-1", "decode-1"}
+        assert all(v["kv_blocks_used"] == 0 for v in live.values()), live
+        recovered = srv.cluster()["recovered"]
+        assert recovered > 0
+
+        after_prefill_kill = _run_with_kill(srv, model, range(STREAMS), "prefill-0", "queued")
+        assert after_prefill_kill == baseline
+        live = _wait_blocks_free(srv)
+        assert set(live) == {"prefill-1", "decode-1"}
+        assert all(v["kv_blocks_used"] == 0 for v in live.values()), live
+        assert srv.cluster()["recovered"] > recovered
+        assert srv.cluster()["requests_in_flight"] == 0
+        assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
+        assert _run_with_kill(srv, model, range(2), None, "running") == baseline[:2]  # new requests succeed
+
+        # An unknown peer (no control key) tells every survivor to shut down and aborts nothing: all dropped.
+        ctx = zmq.Context()
+        for inst in _instances(srv).values():
+            if inst["state"] != "dead":
+                sock = ctx.socket(zmq.PUSH)
+                sock.connect(inst["address"])
+                sock.send(m.encode(m.Shutdown()))  # unsigned: this process holds no key
+                sock.send(b"\x00garbage")
+                sock.close(linger=1000)
+        ctx.term()
+        assert _run_with_kill(srv, model, range(2), None, "running") == baseline[:2]
+        assert {k for k, v in _instances(srv).items() if v["state"] != "dead"} == {"prefill-1", "decode-1"}
+    finally:
+        srv.stop()
