@@ -9,6 +9,7 @@ counted: a package that re-exports its submodules would otherwise be a circle wi
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import tetriinfer
@@ -61,13 +62,15 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+@functools.lru_cache(maxsize=1)
+def import_graph() -> dict[str, frozenset[str]]:
+    """Each package module -> the package modules it imports (parsed once per test session)."""
     mods = all_modules()
     names = set(mods)
-    return {n: imports_of(n, p, names) for n, p in mods.items()}
+    return {n: frozenset(imports_of(n, p, names)) for n, p in mods.items()}
 
 
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+def circles(graph: dict[str, set[str]] | dict[str, frozenset[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}

@@ -6,7 +6,7 @@ end (HTTP, routing, streaming) and a load client are not, and the scheduler puts
 which of them a run uses:
 
 - ``none`` (default): change nothing (every process at the inherited priority, the front end unpinned).
-- ``auto``: the layout measured best on a 2-core host (docs/side_by_side.md, docs/side_by_side.md), applied only
+- ``auto``: the layout measured best on a 2-core host (docs/side_by_side.md, section CPU layout), applied only
   where it means something and is permitted: local CPU instances, every core taken by an instance. Disaggregated
   modes then run the prefill instances under ``SCHED_FIFO`` (priority 10) and the front end above them (11),
   pinned to the first prefill instance's cores; colocated modes pin the front end to the first instance's cores at
