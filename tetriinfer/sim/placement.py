@@ -315,12 +315,14 @@ class PlacementSearch:
         bar = tqdm(total=len(c.workloads) * len(c.layouts), desc="placement", disable=not c.progress)
         tasks = [(name, layout) for name in c.workloads for layout in c.layouts]
         found: dict[tuple[str, str], dict[str, Any]] = {}
+        simulations = self.num_simulations  # counted here: a worker's count stays in its copy of the search
         for (name, layout), (row, sims) in zip(tasks, run_jobs(_search_task, [(self, n, lay) for n, lay in tasks],
                                                                c.jobs), strict=True):
             found[(name, layout.label)] = row
-            self.num_simulations += sims
+            simulations += sims
             bar.set_postfix(workload=name, layout=layout.label, goodput=f"{row['goodput_rps']:.2f}")
             bar.update(1)
+        self.num_simulations = simulations
         for name in c.workloads:
             rows = [found[(name, layout.label)] for layout in c.layouts]
             rows.sort(key=lambda r: (-r["goodput_per_instance_rps"], r["instances"], r["label"]))
