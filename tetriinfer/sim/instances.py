@@ -319,6 +319,7 @@ class SimDecode(SimInstance):
         self.local_pending: deque[Request] = deque()  # conditional disaggregation: prefilled here
         self.receiving: set[str] = set()
         self.inflation = StepInflation()
+        self._one_row_s: dict[tuple[int, int], float] = {}  # (context, padding) -> a one-row decode step's cost
 
     def receive(self, h: Handoff) -> None:
         self.pending.append(h)
@@ -380,8 +381,13 @@ class SimDecode(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         if out.is_decode_only:  # as the runtime's decode worker; the cost model also prices its batch-1 version
-            one = SchedulerOutput(out.step_id, out.kind, out.segments[:1], out.num_padding_tokens)  # its first row
-            self.inflation.observe(len(out.segments), self.step_seconds, self.cost.step_seconds(one))
+            first = out.segments[0]
+            key = (first.start, out.num_padding_tokens)  # all a one-row decode step's cost depends on
+            one_s = self._one_row_s.get(key)
+            if one_s is None:  # the cost model is a pure function of the step: priced once per context length
+                one = SchedulerOutput(out.step_id, out.kind, (first,), out.num_padding_tokens)
+                one_s = self._one_row_s[key] = self.cost.step_seconds(one)
+            self.inflation.observe(len(out.segments), self.step_seconds, one_s)
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
         if upd.finished and (self.pending or self.local_pending):
