@@ -418,7 +418,9 @@ class SimCluster:
             raise AssertionError(f"request {rid!r} ended twice")
         self._ended.add(rid)
         now = self.loop.now
-        rec = self._tracked[rid].record
+        tracked = self._tracked[rid]
+        tracked.prompt_token_ids = None  # never needed again: only requests in flight hold stand-in prompts
+        rec = tracked.record
         rec.finish_s = now
         rec.success = success and rec.output_tokens >= 1
         rec.error = reason
