@@ -26,7 +26,7 @@ Definitions (per successful request; ``vllm bench serve`` in parentheses where i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -124,11 +124,17 @@ class RequestRecord:
         return not (slo.e2e_ms is not None and (e2e is None or e2e * 1e3 > slo.e2e_ms))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``dataclasses.asdict`` without its generic deep copy (a simulated run turns millions into dicts)."""
+        out = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        out["chunk_times_s"], out["chunk_tokens"] = list(self.chunk_times_s), list(self.chunk_tokens)  # copies
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
         return cls(**data)
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(RequestRecord))
 
 
 def distribution(values: list[float]) -> dict[str, float | int | None]:
