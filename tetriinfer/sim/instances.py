@@ -412,6 +412,7 @@ class SimColocated(SimInstance):
             kv,
         )
         self.inflation = StepInflation()
+        self._one_row_s: dict[int, float] = {}  # context -> a one-row decode step's cost
 
     def add(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -428,8 +429,14 @@ class SimColocated(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         rows = decode_segments(out)
-        one = self.cost.step_seconds(SchedulerOutput(out.step_id, out.kind, tuple(rows[:1]))) if rows else None
-        self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one)  # as the runtime
+        one = None
+        if rows:  # the cost model is a pure function of the step: a one-row decode step priced once per context
+            one = self._one_row_s.get(rows[0].start)
+            if one is None:
+                one = self._one_row_s[rows[0].start] = self.cost.step_seconds(
+                    SchedulerOutput(out.step_id, out.kind, (rows[0],)))
+        self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one,
+                                         rows=len(rows))  # as the runtime
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
 
