@@ -176,6 +176,7 @@ def main() -> None:
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sections", default="micro,trace,scale")
     ap.add_argument("--baseline-ref", default=None, help="git ref to compare against in the same run (e.g. main)")
+    ap.add_argument("--baseline-tree", default=None, help="or a folder holding the baseline's tetriinfer/")
     ap.add_argument("--trace-requests", type=int, default=19366)
     ap.add_argument("--baseline-trace-requests", type=int, default=None,
                     help="requests for the baseline's trace columns (default: --trace-requests)")
@@ -197,7 +198,7 @@ def main() -> None:
     modes = args.modes.split(",")
     trace_rate = 19366 / 3600.0  # the trace's own rate on 16 instances
     jobs: list[tuple[str, dict[str, Any], bool]] = []  # (section, point, on the baseline tree)
-    with_base = args.baseline_ref is not None
+    with_base = args.baseline_ref is not None or args.baseline_tree is not None
     if "micro" in sections:
         jobs.append(("micro", {"kind": "micro", "steps": args.micro_steps}, False))
         if with_base:
@@ -222,7 +223,8 @@ def main() -> None:
     results: list[tuple[str, dict[str, Any], bool]] = []
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
-        base = baseline_tree(args.baseline_ref, Path(tmp)) if with_base else None
+        base = (Path(args.baseline_tree) if args.baseline_tree else baseline_tree(args.baseline_ref, Path(tmp))
+                if with_base else None)
         bar = tqdm(jobs, desc="points", unit="point")
         for section, pt, on_base in bar:
             bar.set_postfix_str(f"{section} {pt.get('mode', '')} n={pt.get('n', '')} k={pt.get('instances', '')}"
