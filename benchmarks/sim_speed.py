@@ -226,11 +226,15 @@ def main() -> None:
         base = (Path(args.baseline_tree) if args.baseline_tree else baseline_tree(args.baseline_ref, Path(tmp))
                 if with_base else None)
         bar = tqdm(jobs, desc="points", unit="point")
+        done: dict[tuple[str, bool], dict[str, Any]] = {}  # a point in two series is measured once
         for section, pt, on_base in bar:
             bar.set_postfix_str(f"{section} {pt.get('mode', '')} n={pt.get('n', '')} k={pt.get('instances', '')}"
                                 + (" (baseline)" if on_base else ""))
             tree = base if on_base and base is not None else ROOT
-            results.append((section, measure(pt, tree, args.timeout), on_base))
+            key = (json.dumps(pt, sort_keys=True), on_base)
+            if key not in done:
+                done[key] = measure(pt, tree, args.timeout)
+            results.append((section, done[key], on_base))
     print(f"\nsimulator speed, {started}, one process per point, {os.cpu_count()} CPUs (shared)\n")
     micro_rows = [(r, b) for s, r, b in results if s == "micro"]
     if micro_rows:
