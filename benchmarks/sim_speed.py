@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +75,15 @@ def run_point(point: dict[str, Any]) -> dict[str, Any]:
     t_probe = time.perf_counter() - t0
     wl = sbs.workload(point["workload"], point["n"], rate, cfg.seed)
     t_wl = time.perf_counter() - t0 - t_probe
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     res = sbs.simulate(sbs.clusters[point["mode"]], wl)
-    t_sim = time.perf_counter() - t1
+    t_sim, cpu_sim = time.perf_counter() - t1, time.process_time() - c1
     s = summarize(res.records)
     t_sum = time.perf_counter() - t1 - t_sim
     return {**point, "rate": rate, "probe_s": t_probe, "workload_s": t_wl, "sim_s": t_sim, "summary_s": t_sum,
-            "wall_s": time.perf_counter() - t0, "completed": s["completed"], "events": res.events,
-            "req_per_s": point["n"] / t_sim, "ttft_mean": s["ttft"]["mean"], "jct_mean": s["jct"]["mean"],
+            "cpu_s": cpu_sim, "wall_s": time.perf_counter() - t0, "completed": s["completed"], "events": res.events,
+            "req_per_s": point["n"] / t_sim, "req_per_cpu_s": point["n"] / cpu_sim,
+            "ttft_mean": s["ttft"]["mean"], "jct_mean": s["jct"]["mean"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -99,13 +101,16 @@ def micro(steps: int) -> dict[str, Any]:
         return Request(f"r{i}", [3] * prompt, SamplingParams(max_tokens=out, ignore_eos=True))
 
     def loop(sched: Any, n: int, refill: Any = None) -> float:
-        t = time.perf_counter()
+        """CPU seconds per schedule + update (the refill between steps is not counted)."""
+        spent = 0.0
         for _ in range(n):
+            t = time.process_time()
             out = sched.schedule()
             sched.update(out, StepResult(out.step_id, {s.request_id: 1 for s in out.segments if s.sample}))
+            spent += time.process_time() - t
             if refill is not None:
                 refill()
-        return (time.perf_counter() - t) / n
+        return spent / n
 
     res: dict[str, Any] = {"kind": "micro"}
     for batch in (16, 128):
@@ -187,6 +192,8 @@ def main() -> None:
     ap.add_argument("--requests-fixed", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per point")
     ap.add_argument("--micro-steps", type=int, default=2000)
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="points measured at once (each in its own process; times are its own CPU seconds)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.png")
     args = ap.parse_args()
     if args.point:
@@ -220,21 +227,19 @@ def main() -> None:
                 n = args.requests_fixed
                 jobs.append(("instances", {"kind": "column", "workload": f"scale:{n}", "mode": mode, "instances": k,
                                            "prefill": k // 2, "n": n, "rate": trace_rate * k / 16}, False))
-    results: list[tuple[str, dict[str, Any], bool]] = []
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
         base = (Path(args.baseline_tree) if args.baseline_tree else baseline_tree(args.baseline_ref, Path(tmp))
                 if with_base else None)
-        bar = tqdm(jobs, desc="points", unit="point")
-        done: dict[tuple[str, bool], dict[str, Any]] = {}  # a point in two series is measured once
-        for section, pt, on_base in bar:
-            bar.set_postfix_str(f"{section} {pt.get('mode', '')} n={pt.get('n', '')} k={pt.get('instances', '')}"
-                                + (" (baseline)" if on_base else ""))
-            tree = base if on_base and base is not None else ROOT
-            key = (json.dumps(pt, sort_keys=True), on_base)
-            if key not in done:
-                done[key] = measure(pt, tree, args.timeout)
-            results.append((section, done[key], on_base))
+        keys = [(json.dumps(pt, sort_keys=True), on_base) for _, pt, on_base in jobs]
+        unique = list(dict.fromkeys(keys))  # a point in two series is measured once
+        done: dict[tuple[str, bool], dict[str, Any]] = {}
+        with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as ex:
+            futures = {ex.submit(measure, json.loads(k), base if b and base is not None else ROOT, args.timeout):
+                       (k, b) for k, b in unique}
+            for fut in tqdm(as_completed(futures), total=len(futures), desc="points", unit="point"):
+                done[futures[fut]] = fut.result()
+        results = [(section, done[key], on_base) for (section, _, on_base), key in zip(jobs, keys, strict=True)]
     print(f"\nsimulator speed, {started}, one process per point, {os.cpu_count()} CPUs (shared)\n")
     micro_rows = [(r, b) for s, r, b in results if s == "micro"]
     if micro_rows:
@@ -252,23 +257,24 @@ def main() -> None:
         for mode in modes:
             now = next((r for r, b in trace_rows if r.get("mode") == mode and not b), {})
             old = next((r for r, b in trace_rows if r.get("mode") == mode and b), {})
-            ratio = now.get("req_per_s") / old["req_per_s"] if old.get("req_per_s") and now.get("req_per_s") else None
-            rows.append([mode, str(now.get("n", "-")), fmt(old.get("sim_s")), fmt(old.get("req_per_s"), ".0f"),
-                         fmt(now.get("sim_s")), fmt(now.get("req_per_s"), ".0f"), fmt(ratio, ".2f") + "x" if ratio else "-",
-                         fmt(now.get("peak_rss_mb"), ".0f"), now.get("error", "")])
-        print("Azure conversation trace, 16 instances (8P+8D / 16 colocated), rate auto\n")
-        print(table(rows, ["column", "requests", "baseline s", "baseline req/s", "s", "req/s", "speed-up",
-                           "peak MB", "note"]) + "\n")
+            old_r, now_r = old.get("req_per_cpu_s"), now.get("req_per_cpu_s")
+            ratio = now_r / old_r if old_r and now_r else None
+            rows.append([mode, str(old.get("n", "-")), fmt(old.get("cpu_s")), fmt(old_r, ".0f"), str(now.get("n", "-")),
+                         fmt(now.get("cpu_s")), fmt(now_r, ".0f"), fmt(ratio, ".2f") + "x" if ratio else "-",
+                         fmt(now.get("sim_s")), fmt(now.get("peak_rss_mb"), ".0f"), now.get("error", "")])
+        print("Azure conversation trace, 16 instances (8P+8D / 16 colocated), rate auto (CPU seconds of the run)\n")
+        print(table(rows, ["column", "baseline requests", "baseline CPU s", "baseline req/CPU-s", "requests", "CPU s",
+                           "req/CPU-s", "speed-up", "wall s", "peak MB", "note"]) + "\n")
     for section, label in (("requests", "requests"), ("instances", "instances")):
         pts = [r for s, r, _ in results if s == section]
         if not pts:
             continue
-        rows = [[r["mode"], str(r["n"]), str(r["instances"]), fmt(r.get("rate"), ".0f"), fmt(r.get("sim_s")),
-                 fmt(r.get("req_per_s"), ".0f"), fmt(r["sim_s"] / r["n"] * 1e6 if r.get("sim_s") else None, ".0f"),
-                 fmt(r.get("peak_rss_mb"), ".0f"), r.get("error", "")] for r in pts]
+        rows = [[r["mode"], str(r["n"]), str(r["instances"]), fmt(r.get("rate"), ".0f"), fmt(r.get("cpu_s")),
+                 fmt(r.get("req_per_cpu_s"), ".0f"), fmt(r["cpu_s"] / r["n"] * 1e6 if r.get("cpu_s") else None, ".0f"),
+                 fmt(r.get("sim_s")), fmt(r.get("peak_rss_mb"), ".0f"), r.get("error", "")] for r in pts]
         print(f"scaling vs {label} (scale:N workload at the trace's per-instance rate)\n")
-        print(table(rows, ["column", "requests", "instances", "req/s offered", "sim s", "req/s", "us/request",
-                           "peak MB", "note"]) + "\n")
+        print(table(rows, ["column", "requests", "instances", "req/s offered", "CPU s", "req/CPU-s",
+                           "CPU us/request", "wall s", "peak MB", "note"]) + "\n")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -287,14 +293,14 @@ def plot(results: list[tuple[str, dict[str, Any], bool]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, section, xkey in ((axes[0], "requests", "n"), (axes[1], "instances", "instances")):
         for mode in sorted({r["mode"] for s, r, _ in results if s == section}):
-            pts = sorted((r[xkey], r["sim_s"]) for s, r, _ in results if s == section and r["mode"] == mode
-                         and r.get("sim_s"))
+            pts = sorted((r[xkey], r["cpu_s"]) for s, r, _ in results if s == section and r["mode"] == mode
+                         and r.get("cpu_s"))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("simulated requests" if section == "requests" else "simulated instances")
-        ax.set_ylabel("wall seconds (one core)")
+        ax.set_ylabel("CPU seconds (one process)")
         ax.set_title(f"simulator wall time vs {section}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
