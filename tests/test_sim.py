@@ -187,7 +187,7 @@ def check_run(wl: Workload, res_records: list) -> None:
         assert r.success, (w.request_id, r.error)
         assert r.output_tokens == w.output_tokens == len(r.chunk_times_s)
         assert r.arrival_s <= r.send_s <= r.first_token_s <= r.finish_s
-        assert r.chunk_times_s == sorted(r.chunk_times_s)
+        assert list(r.chunk_times_s) == sorted(r.chunk_times_s)
 
 
 @pytest.mark.parametrize("name", list(MODES))

@@ -24,7 +24,7 @@ TRACE = HERE / "fixtures" / "azure_conv_head200.csv"
 WALL_CLOCK_KEYS = ("wall_s", "started_at")
 
 
-def golden_config() -> Any:
+def golden_config(jobs: int = 1) -> Any:
     from tetriinfer.bench.side_by_side import parse_columns
     from tetriinfer.sim.side_by_side import SimSideBySideConfig
 
@@ -35,17 +35,18 @@ def golden_config() -> Any:
     return SimSideBySideConfig((f"trace:{TRACE}",), cols, num_kv_blocks=2000, kv_bytes_per_token=131072,
                                max_model_len=8192, model="llama-3-8b", num_requests=200, probe_requests=32,
                                probe_concurrency=8, instances=4, prefill_instances=2, predictor_accuracy=0.8,
-                               seed=7, progress=False)
+                               seed=7, progress=False, jobs=jobs)
 
 
-def golden_json() -> str:
-    """The golden run's result as canonical JSON text (sorted keys, fixed float repr)."""
+def golden_json(jobs: int = 1) -> str:
+    """The golden run's result as canonical JSON text (sorted keys, fixed float repr); ``jobs``: columns
+    simulated in that many worker processes."""
     from tetriinfer.sim.cost_model import HARDWARE_PRESETS, RooflineCostModel, model_config
     from tetriinfer.sim.side_by_side import SimSideBySide
 
     cost = RooflineCostModel(model_config("llama-3-8b"), HARDWARE_PRESETS["a100-80g"], dtype_bytes=2,
                              step_overhead_s=0.003)
-    result, raw = SimSideBySide(golden_config(), cost, "golden").run()
+    result, raw = SimSideBySide(golden_config(jobs), cost, "golden").run()
     for key in WALL_CLOCK_KEYS:
         result["meta"].pop(key)
     digests = {wl: {label: hashlib.sha256(json.dumps(col["requests"], sort_keys=True).encode()).hexdigest()
@@ -62,6 +63,25 @@ def test_simulated_numbers_match_the_golden_file_byte_for_byte() -> None:
     assert all(c["completed"] == 200 and c["failed"] == 0 for c in cells.values())
     expected = GOLDEN.read_text(encoding="utf-8")
     assert text == expected, "simulated numbers changed; if meant, rewrite with python tests/test_sim_golden.py --write"
+
+
+def test_columns_in_worker_processes_give_the_serial_result_byte_for_byte() -> None:
+    from dataclasses import replace
+
+    from tetriinfer.sim.cost_model import HARDWARE_PRESETS, RooflineCostModel, model_config
+    from tetriinfer.sim.side_by_side import SimSideBySide
+
+    cost = RooflineCostModel(model_config("llama-3-8b"), HARDWARE_PRESETS["a100-80g"])
+    small = replace(golden_config(), num_requests=60, rate=4.0, floor=False)
+
+    def run(jobs: int) -> str:
+        result, raw = SimSideBySide(replace(small, jobs=jobs), cost, "jobs").run()
+        for key in WALL_CLOCK_KEYS:
+            result["meta"].pop(key)
+        return json.dumps([result, raw], sort_keys=True)
+
+    serial = run(1)
+    assert '"completed": 60' in serial and run(3) == serial
 
 
 if __name__ == "__main__":

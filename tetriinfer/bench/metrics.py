@@ -26,7 +26,8 @@ Definitions (per successful request; ``vllm bench serve`` in parentheses where i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -124,16 +125,22 @@ class RequestRecord:
         return not (slo.e2e_ms is not None and (e2e is None or e2e * 1e3 > slo.e2e_ms))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``dataclasses.asdict`` without its generic deep copy (a simulated run turns millions into dicts)."""
+        out = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        out["chunk_times_s"], out["chunk_tokens"] = list(self.chunk_times_s), list(self.chunk_tokens)  # copies
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
         return cls(**data)
 
 
-def distribution(values: list[float]) -> dict[str, float | int | None]:
+_RECORD_FIELDS = tuple(f.name for f in fields(RequestRecord))
+
+
+def distribution(values: Sequence[float] | np.ndarray) -> dict[str, float | int | None]:
     """count, mean, median, p90, p99, std, min, max (seconds); None values when empty."""
-    if not values:
+    if len(values) == 0:
         return {
             k: (0 if k == "count" else None)
             for k in ("count", "mean", "median", "p90", "p99", "std", "min", "max")
@@ -189,12 +196,19 @@ def summarize(
         "slo_attainment": (good / len(records) if records else None) if good is not None else None,
         "ttft": distribution([v for r in ok if (v := r.ttft_s) is not None]),
         "tpot": distribution([v for r in ok if (v := r.tpot_s) is not None]),
-        "itl": distribution([g for r in ok for g in r.itls_s]),
+        "itl": distribution(_itls(ok)),
         "e2e": distribution([v for r in ok if (v := r.e2e_s) is not None]),
         "jct": distribution([v for r in ok if (v := r.jct_s) is not None]),
         "send_lag": distribution([r.send_s - r.arrival_s for r in records if r.send_s is not None]),
         "errors": _error_counts(records),
     }
+
+
+def _itls(ok: list[RequestRecord]) -> np.ndarray:
+    """Every successful request's token gaps (``itls_s``), in record order, as one float64 array: the same values
+    (each an IEEE difference of two token times) without a Python float per gap."""
+    gaps = [np.diff(np.asarray(r.chunk_times_s, dtype=float)) for r in ok if len(r.chunk_times_s) > 1]
+    return np.concatenate(gaps) if gaps else np.empty(0)
 
 
 def _error_counts(records: list[RequestRecord]) -> dict[str, int]:

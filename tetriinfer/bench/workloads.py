@@ -28,6 +28,8 @@ import io
 import json
 import math
 import os
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -369,8 +371,9 @@ def load_workload(
     max_context: int | None = None,
     length_source: str | os.PathLike[str] | None = None,
     length_scale: float = 1.0,
+    trace_repeat: int = 1,
 ) -> Workload:
-    """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed`` or ``trace:FILE``.
+    """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed``, ``trace:FILE`` or ``scale:N``.
 
     - ``num_requests``: class workloads draw this many; traces take their first ``num_requests`` rows.
     - ``rate``: mean request rate (req/s). Class workloads: rate of the Poisson/gamma process, or None
@@ -386,6 +389,13 @@ def load_workload(
       ``sample`` or a path).
     - ``length_scale``: traces only: multiply prompt and output lengths (and a Mooncake trace's hash-block size,
       so shared prefixes stay shared) by this, before the caps: replays a long-context trace on a small model.
+    - ``trace_repeat``: traces only: the trace played ``K`` times back to back (each copy starts one mean gap after
+      the previous one ends; request ids stay unique), so ``num_requests`` may reach ``K`` x its rows.
+    - ``scale:N``: a synthetic trace of ``N`` requests for runs larger than any trace file: each request's
+      (prompt, output) pair and its gap to the previous arrival are drawn independently, with replacement, from
+      ``length_source``'s rows and inter-arrival gaps (seeded by ``seed``: the same inputs give the same
+      requests); hash blocks are dropped. Then handled as a trace: its first ``num_requests`` requests, arrivals
+      rescaled to ``rate`` when given, lengths scaled and capped alike.
     """
     check_length_scale(length_scale)
     if num_requests < 1:
@@ -399,6 +409,22 @@ def load_workload(
     ):
         _check_positive_int(label, value)
     key = name.strip()
+    if trace_repeat < 1:
+        raise ValueError(f"trace_repeat must be >= 1, got {trace_repeat}")
+    if trace_repeat != 1 and not key.lower().startswith("trace:"):
+        raise ValueError("trace_repeat applies only to trace:FILE workloads")
+    if key.lower().startswith("scale:"):
+        count = key[len("scale:"):]
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"scale:N needs a positive request count N, got {key!r}")
+        source = _resolve_source(length_source)
+        if num_requests > int(count):
+            raise ValueError(f"{key} has only {count} requests, {num_requests} requested")
+        rows = scale_rows(load_trace(source), num_requests, seed)  # the first num_requests of the N
+        return _rows_workload(
+            f"scale:{int(count)}", f"{int(count)} requests drawn from {source}", "scale", rows, num_requests, rate,
+            seed, arrival, burstiness_cv, None, max_prompt_tokens, max_output_tokens, max_context, length_scale,
+        )
     if key.lower().startswith("trace:"):
         return _trace_workload(
             key[len("trace:") :],
@@ -412,6 +438,7 @@ def load_workload(
             max_output_tokens,
             max_context,
             length_scale,
+            trace_repeat,
         )
     key = key.lower()
     if length_scale != 1.0:
@@ -462,14 +489,69 @@ def _trace_workload(
     max_output: int | None,
     max_context: int | None,
     length_scale: float = 1.0,
+    trace_repeat: int = 1,
 ) -> Workload:
     if not path:
         raise ValueError("trace workload needs a file: trace:FILE")
+    rows = repeat_rows(load_trace(path), trace_repeat)
+    if num_requests > len(rows):
+        raise ValueError(f"trace {path} has only {len(rows)} requests, {num_requests} requested"
+                         + (f" ({trace_repeat} repeats)" if trace_repeat > 1 else ""))
+    name = f"trace:{Path(path).name}" + (f"x{trace_repeat}" if trace_repeat > 1 else "")
+    return _rows_workload(name, str(Path(path)), "trace", rows, num_requests, rate, seed, arrival, burstiness_cv,
+                          trace_timescale, max_prompt, max_output, max_context, length_scale)
+
+
+def repeat_rows(rows: Sequence[TraceRow], times: int) -> tuple[TraceRow, ...]:
+    """``rows`` played ``times`` times back to back: copy ``k`` is shifted by ``k`` x (the trace's span plus its
+    mean gap), so arrivals stay ordered and the gap between copies is a typical one."""
+    rows = tuple(rows)
+    if times == 1 or not rows:
+        return rows
+    ts = [r.timestamp_s for r in rows]
+    span = max(ts) - min(ts)
+    period = span + (span / (len(rows) - 1) if len(rows) > 1 else 1.0)
+    return tuple(replace(r, timestamp_s=r.timestamp_s + k * period) for k in range(times) for r in rows)
+
+
+def scale_rows(rows: Sequence[TraceRow], n: int, seed: int) -> tuple[TraceRow, ...]:
+    """``n`` synthetic rows: lengths and inter-arrival gaps drawn with replacement from ``rows`` (deterministic
+    given ``seed``; hash blocks dropped). Gaps are the sorted timestamps' differences (one 1 s gap for a
+    one-row trace)."""
+    if not rows:
+        raise ValueError("scale:N needs a length source with at least one row")
+    ts = sorted(r.timestamp_s for r in rows)
+    gaps = [b - a for a, b in zip(ts, ts[1:], strict=False)] or [1.0]
+    rng = random.Random(seed)
+    pick, m, g = rng.randrange, len(rows), len(gaps)
+    out: list[TraceRow] = []
+    t = 0.0
+    for _ in range(n):
+        row = rows[pick(m)]
+        out.append(TraceRow(t, row.prompt_tokens, row.output_tokens))
+        t += gaps[pick(g)]
+    return tuple(out)
+
+
+def _rows_workload(
+    name: str,
+    source: str,
+    id_prefix: str,
+    rows: Sequence[TraceRow],
+    num_requests: int,
+    rate: float | None,
+    seed: int,
+    arrival: str | None,
+    burstiness_cv: float,
+    trace_timescale: float | None,
+    max_prompt: int | None,
+    max_output: int | None,
+    max_context: int | None,
+    length_scale: float = 1.0,
+) -> Workload:
+    """The first ``num_requests`` of ``rows`` as a workload (a trace file's, or synthetic ones)."""
     if rate is not None and trace_timescale is not None:
         raise ValueError("give either rate or trace_timescale for a trace, not both")
-    rows = load_trace(path)
-    if num_requests > len(rows):
-        raise ValueError(f"trace {path} has only {len(rows)} requests, {num_requests} requested")
     rows = rows[:num_requests]
     process = arrival or "trace"
     notes: list[str] = []
@@ -499,7 +581,7 @@ def _trace_workload(
         rejected = prompt < 1 or output < 1
         requests.append(
             WorkloadRequest(
-                f"trace-{i}",
+                f"{id_prefix}-{i}",
                 t,
                 max(prompt, 1),
                 max(output, 0),
@@ -514,11 +596,10 @@ def _trace_workload(
         notes.append(
             f"{clipped} lengths clipped to max_prompt_tokens={max_prompt}/max_output_tokens={max_output}"
         )
-    name = f"trace:{Path(path).name}"
     return Workload(
         name,
         tuple(_mark_rejections(requests, max_context)),
-        str(Path(path)),
+        source,
         process,
         rate,
         seed,

@@ -181,10 +181,11 @@ class _ColocatedBase(Detachable):
         (partial prefills, then the youngest running request) when none are free."""
         scheduled: list[Request] = []
         preempted: list[str] = []
+        running, allocate = self.running, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and len(scheduled) < limit:
-            req = self.running[i]
-            if self.kv.allocate_slots(req.request_id, req.num_tokens):
+        while i < len(running) and len(scheduled) < limit:
+            req = running[i]
+            if allocate(req.request_id, len(req.prompt_token_ids) + len(req.output_token_ids)):
                 scheduled.append(req)
                 i += 1
                 continue
@@ -199,8 +200,10 @@ class _ColocatedBase(Detachable):
         return scheduled, preempted
 
     def _segments(self, reqs: list[Request]) -> list[ScheduledSegment]:
+        block_ids = self.kv.block_ids
         return [
-            _segment(r, r.num_computed_tokens, r.num_uncomputed_tokens, self.kv.block_ids(r.request_id))
+            _segment(r, r.num_computed_tokens, len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens,
+                     block_ids(r.request_id))
             for r in reqs
         ]
 
@@ -220,23 +223,29 @@ class _ColocatedBase(Detachable):
         new_tokens: dict[str, int] = {}
         finished: list[Request] = list(self._ended_in_schedule)
         self._ended_in_schedule.clear()
+        held = self._table.get
+        caching = self.kv.prefix_caching  # without a prefix cache, cache_computed does nothing
+        sampled, logprobs = result.sampled_token_ids, result.logprobs
+        max_len = self.config.max_model_len
         for seg in output.segments:
-            req = self._table.get(seg.request_id)
+            rid = seg.request_id
+            req = held(rid)
             if req is None:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = seg.end
-            self.kv.cache_computed(req)
+            req.num_computed_tokens = seg.start + len(seg.token_ids)
+            if caching:
+                self.kv.cache_computed(req)
             if not seg.sample:
                 continue
-            token = result.sampled_token_ids[seg.request_id]
-            req.append_output(token, result.logprobs.get(seg.request_id))
-            new_tokens[req.request_id] = token
+            token = sampled[rid]
+            req.append_output(token, logprobs.get(rid) if logprobs else None)
+            new_tokens[rid] = token
             if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
             stop = req.check_stop()
-            if stop is None and req.num_tokens >= self.config.max_model_len:
+            if stop is None and len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
                 stop = RequestStatus.FINISHED_LENGTH
             if stop is not None:
                 self._table.mark_finished(req, stop)

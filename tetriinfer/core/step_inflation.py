@@ -53,11 +53,13 @@ class StepInflation:
             self._stalled = True
 
     def observe_colocated(self, out: SchedulerOutput, seconds: float, running: Iterable[Request],
-                          batch1_seconds: float | None = None) -> None:
+                          batch1_seconds: float | None = None, rows: int | None = None) -> None:
         """A colocated instance's step (``running``: its running requests, read before ``update``): decode rows
         -> a decode step (whole seconds, prefill chunks included); none while some running request has output
-        tokens -> a stall; a pure prefill step with no decode waiting counts for nothing."""
-        rows = decode_rows(out)
+        tokens -> a stall; a pure prefill step with no decode waiting counts for nothing. ``rows``: the step's
+        ``decode_rows`` when the caller has counted them already."""
+        if rows is None:
+            rows = decode_rows(out)
         if rows:
             self.observe(rows, seconds, batch1_seconds, decode_only=out.is_decode_only)
         elif any(r.num_output_tokens for r in running):

@@ -77,6 +77,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
         link_latency=args.link_latency, predictor_accuracy=args.predictor_accuracy,
         frontend_delay_s=args.frontend_delay_ms / 1e3, scale_out_s=args.scale_out_s, floor=not args.no_floor,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e), progress=not args.no_progress,
+        trace_repeat=args.trace_repeat, jobs=args.jobs,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result, raw = SimSideBySide(cfg, cost, command).run()
@@ -134,7 +135,7 @@ def _placement(args: argparse.Namespace) -> int:
         max_output_tokens=args.max_output_tokens, length_source=args.length_source, length_scale=args.length_scale, seed=args.seed,
         link_bandwidth=args.link_bandwidth, link_latency=args.link_latency,
         predictor_accuracy=args.predictor_accuracy, frontend_delay_s=args.frontend_delay_ms / 1e3,
-        target_rate=args.target_rate, progress=not args.no_progress,
+        target_rate=args.target_rate, progress=not args.no_progress, trace_repeat=args.trace_repeat, jobs=args.jobs,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = PlacementSearch(cfg, cost, command).run()
@@ -184,6 +185,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="trace:FILE workloads: multiply lengths (and a Mooncake trace's 512-token hash blocks) by S")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-repeat", type=int, default=1, metavar="K",
+                   help="trace:FILE workloads: play the trace K times back to back (for -n beyond its rows); "
+                        "scale:N workloads draw N requests from a trace's lengths and gaps instead")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="simulate up to N columns (side-by-side) or layouts (placement) at once in worker "
+                        "processes; the results are identical to --jobs 1")
     p.add_argument("--link-bandwidth", default="200Gbps")
     p.add_argument("--link-latency", default="0")
     p.add_argument("--predictor-accuracy", type=float, default=1.0,
@@ -203,7 +210,8 @@ def add_subparsers(subparsers: Any) -> None:
                        description="Every column (--modes, --serve-arg as in `bench side-by-side`) is simulated with "
                                    "the real core schedulers and a cost model; writes the same JSON and report.")
     _add_cost_args(p)
-    p.add_argument("--workloads", default="lpld,lphd,hpld,hphd,mixed")
+    p.add_argument("--workloads", default="lpld,lphd,hpld,hphd,mixed",
+                   help="comma-separated: lpld, lphd, hpld, hphd, mixed, trace:FILE, scale:N")
     p.add_argument("--modes", default="tetriinfer,colocated")
     p.add_argument("--serve-arg", action="append", default=[], metavar="[NAME:]ARGS",
                    help="`tetriinfer serve` arguments for every column, or NAME:ARGS for one; repeatable")
@@ -232,7 +240,8 @@ def add_subparsers(subparsers: Any) -> None:
                                    "--instances, find the highest request rate at which --attainment of the requests "
                                    "meet the SLOs (simulated), and rank layouts by goodput per instance.")
     _add_cost_args(p)
-    p.add_argument("--workloads", default="mixed")
+    p.add_argument("--workloads", default="mixed",
+                   help="comma-separated: lpld, lphd, hpld, hphd, mixed, trace:FILE, scale:N")
     p.add_argument("--modes", default="tetriinfer,colocated")
     p.add_argument("--serve-arg", action="append", default=[], metavar="[MODE:]ARGS",
                    help="`tetriinfer serve` arguments for every mode, or MODE:ARGS for one; repeatable")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -224,7 +225,10 @@ class SimCluster:
     def run(self, workload: Workload) -> SimResult:
         cfg = self.config
         for wreq in workload.requests:
-            rec = RequestRecord(wreq.request_id, wreq.prompt_tokens, wreq.output_tokens, wreq.arrival_s)
+            # token times as packed doubles (8 bytes a token, not a list of float objects: a million requests'
+            # records fit in memory); they read, compare and serialize (to_dict) as the lists the client fills
+            rec = RequestRecord(wreq.request_id, wreq.prompt_tokens, wreq.output_tokens, wreq.arrival_s,
+                                chunk_times_s=array("d"), chunk_tokens=array("b"))  # type: ignore[arg-type]
             self._tracked[wreq.request_id] = _Tracked(wreq, rec)
             if wreq.rejected:
                 rec.rejected, rec.error = True, wreq.reject_reason or "rejected"
@@ -418,7 +422,9 @@ class SimCluster:
             raise AssertionError(f"request {rid!r} ended twice")
         self._ended.add(rid)
         now = self.loop.now
-        rec = self._tracked[rid].record
+        tracked = self._tracked[rid]
+        tracked.prompt_token_ids = None  # never needed again: only requests in flight hold stand-in prompts
+        rec = tracked.record
         rec.finish_s = now
         rec.success = success and rec.output_tokens >= 1
         rec.error = reason

@@ -319,6 +319,7 @@ class SimDecode(SimInstance):
         self.local_pending: deque[Request] = deque()  # conditional disaggregation: prefilled here
         self.receiving: set[str] = set()
         self.inflation = StepInflation()
+        self._one_row_s: dict[tuple[int, int], float] = {}  # (context, padding) -> a one-row decode step's cost
 
     def receive(self, h: Handoff) -> None:
         self.pending.append(h)
@@ -380,8 +381,13 @@ class SimDecode(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         if out.is_decode_only:  # as the runtime's decode worker; the cost model also prices its batch-1 version
-            one = SchedulerOutput(out.step_id, out.kind, out.segments[:1], out.num_padding_tokens)  # its first row
-            self.inflation.observe(len(out.segments), self.step_seconds, self.cost.step_seconds(one))
+            first = out.segments[0]
+            key = (first.start, out.num_padding_tokens)  # all a one-row decode step's cost depends on
+            one_s = self._one_row_s.get(key)
+            if one_s is None:  # the cost model is a pure function of the step: priced once per context length
+                one = SchedulerOutput(out.step_id, out.kind, (first,), out.num_padding_tokens)
+                one_s = self._one_row_s[key] = self.cost.step_seconds(one)
+            self.inflation.observe(len(out.segments), self.step_seconds, one_s)
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
         if upd.finished and (self.pending or self.local_pending):
@@ -406,6 +412,7 @@ class SimColocated(SimInstance):
             kv,
         )
         self.inflation = StepInflation()
+        self._one_row_s: dict[int, float] = {}  # context -> a one-row decode step's cost
 
     def add(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -422,8 +429,14 @@ class SimColocated(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         rows = decode_segments(out)
-        one = self.cost.step_seconds(SchedulerOutput(out.step_id, out.kind, tuple(rows[:1]))) if rows else None
-        self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one)  # as the runtime
+        one = None
+        if rows:  # the cost model is a pure function of the step: a one-row decode step priced once per context
+            one = self._one_row_s.get(rows[0].start)
+            if one is None:
+                one = self._one_row_s[rows[0].start] = self.cost.step_seconds(
+                    SchedulerOutput(out.step_id, out.kind, (rows[0],)))
+        self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one,
+                                         rows=len(rows))  # as the runtime
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
 

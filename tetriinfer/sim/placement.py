@@ -39,6 +39,7 @@ from tetriinfer.bench.workloads import Workload, check_length_scale, load_worklo
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig
 from tetriinfer.sim.cost_model import CostModel
+from tetriinfer.sim.jobs import run_jobs
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,8 @@ class PlacementConfig:
     target_rate: float | None = None
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    trace_repeat: int = 1  # trace workloads: the trace played this many times back to back
+    jobs: int = 1  # layouts searched in this many processes at once (the same result as one)
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -225,6 +228,8 @@ class PlacementConfig:
             raise ValueError("probe_concurrency must be in [1, probe_requests)")
         if self.target_rate is not None and not self.target_rate > 0:
             raise ValueError(f"target_rate must be > 0, got {self.target_rate}")
+        if self.trace_repeat < 1 or self.jobs < 1:
+            raise ValueError(f"trace_repeat and jobs must be >= 1, got {self.trace_repeat}, {self.jobs}")
 
 
 def _attainment(summary: dict[str, Any]) -> float:
@@ -242,11 +247,12 @@ class PlacementSearch:
 
     def _workload(self, name: str, n: int, rate: float | None, seed: int) -> Workload:
         c = self.config
-        is_trace = name.lower().startswith("trace:")
+        is_trace = name.lower().startswith(("trace:", "scale:"))
         return load_workload(name, n, rate, seed, arrival="trace" if is_trace and rate is None else c.arrival,
                              burstiness_cv=c.burstiness_cv, max_prompt_tokens=c.max_prompt_tokens,
                              max_output_tokens=c.max_output_tokens, max_context=c.max_model_len,
-                             length_source=c.length_source, length_scale=c.length_scale if is_trace else 1.0)
+                             length_source=c.length_source, length_scale=c.length_scale if is_trace else 1.0,
+                             trace_repeat=c.trace_repeat if name.lower().startswith("trace:") else 1)
 
     def _simulate(self, cluster: ClusterConfig, wl: Workload, max_concurrency: int | None = None) -> list[Any]:
         c = self.config
@@ -307,12 +313,18 @@ class PlacementSearch:
         t0 = time.monotonic()
         out: dict[str, Any] = {}
         bar = tqdm(total=len(c.workloads) * len(c.layouts), desc="placement", disable=not c.progress)
+        tasks = [(name, layout) for name in c.workloads for layout in c.layouts]
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        simulations = self.num_simulations  # counted here: a worker's count stays in its copy of the search
+        for (name, layout), (row, sims) in zip(tasks, run_jobs(_search_task, [(self, n, lay) for n, lay in tasks],
+                                                               c.jobs), strict=True):
+            found[(name, layout.label)] = row
+            simulations += sims
+            bar.set_postfix(workload=name, layout=layout.label, goodput=f"{row['goodput_rps']:.2f}")
+            bar.update(1)
+        self.num_simulations = simulations
         for name in c.workloads:
-            rows = []
-            for layout in c.layouts:
-                rows.append(self.search(layout, name))
-                bar.set_postfix(workload=name, layout=layout.label, goodput=f"{rows[-1]['goodput_rps']:.2f}")
-                bar.update(1)
+            rows = [found[(name, layout.label)] for layout in c.layouts]
             rows.sort(key=lambda r: (-r["goodput_per_instance_rps"], r["instances"], r["label"]))
             best = rows[0]
             entry: dict[str, Any] = {"layouts": rows, "best": best["label"]}
@@ -334,6 +346,13 @@ class PlacementSearch:
             "wall_s": time.monotonic() - t0, **c.extra,
         }
         return {"workloads": out, "meta": meta}
+
+
+def _search_task(search: PlacementSearch, workload: str, layout: Layout) -> tuple[dict[str, Any], int]:
+    """One layout's search (in a worker process under ``--jobs``): its row and how many simulations it ran."""
+    before = search.num_simulations
+    row = search.search(layout, workload)
+    return row, search.num_simulations - before
 
 
 def markdown_report(result: dict[str, Any], plots: Sequence[str] = ()) -> str:

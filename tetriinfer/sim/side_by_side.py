@@ -41,6 +41,7 @@ from tetriinfer.bench.workloads import Workload, check_length_scale, load_worklo
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig, SimResult
 from tetriinfer.sim.cost_model import CostModel
+from tetriinfer.sim.jobs import run_jobs
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class SimSideBySideConfig:
     floor: bool = True
     slo: SLO = field(default_factory=SLO)
     progress: bool = True
+    trace_repeat: int = 1  # trace workloads: the trace played this many times back to back
+    jobs: int = 1  # columns simulated in this many processes at once (the same result as one)
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -93,6 +96,8 @@ class SimSideBySideConfig:
             raise ValueError("rate_fractions must be positive")
         if self.instances < 2:
             raise ValueError("instances must be >= 2 (disaggregation needs one of each role)")
+        if self.trace_repeat < 1 or self.jobs < 1:
+            raise ValueError(f"trace_repeat and jobs must be >= 1, got {self.trace_repeat}, {self.jobs}")
 
     @property
     def num_prefill(self) -> int:
@@ -136,13 +141,14 @@ class SimSideBySide:
 
     def workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:
         c = self.config
-        is_trace = name.lower().startswith("trace:")
+        is_trace = name.lower().startswith(("trace:", "scale:"))
         return load_workload(
             name, n, None if burst else rate, seed,
             arrival="trace" if is_trace and not burst else c.arrival, burstiness_cv=c.burstiness_cv,
             max_prompt_tokens=c.max_prompt_tokens, max_output_tokens=c.max_output_tokens,
             max_context=c.max_model_len, length_source=c.length_source,
             length_scale=c.length_scale if is_trace else 1.0,
+            trace_repeat=c.trace_repeat if name.lower().startswith("trace:") else 1,
         )
 
     def simulate(self, cluster: ClusterConfig, wl: Workload, **over: Any) -> SimResult:
@@ -166,6 +172,31 @@ class SimSideBySide:
         return {"mean_s": s["ttft"]["mean"], "median_s": s["ttft"]["median"], "requests": s["completed"],
                 "tpot_mean_s": s["tpot"]["mean"], "jct_mean_s": s["e2e"]["mean"]}
 
+    def column(self, name: str, rate: float, label: str) -> tuple[dict[str, Any], ...]:
+        """One column on one workload at ``rate``: (workload description, paper-table cell, details, raw
+        per-request records) as plain values (what a ``--jobs`` worker sends back)."""
+        c = self.config
+        wl = self.workload(name, c.num_requests, rate, c.seed)
+        res = self.simulate(self.clusters[label], wl)
+        s = summarize(res.records, slo=c.slo)
+        good = s["good_requests"] if s["good_requests"] is not None else s["completed"]
+        n_inst = len(res.busy_s)
+        detail = {
+            "busy_per_instance_s": res.busy_s, "steps_per_instance": res.steps,
+            "duration_s": s["duration_s"], "goodput_rps": s["goodput"],
+            "goodput_per_instance_s": good / (n_inst * s["duration_s"]) if s["duration_s"] > 0 else None,
+            "local_prefills": res.local_prefills, "kept_decodes": res.kept_decodes,
+            "flips": res.flips, "transfer_bytes": res.transfer_bytes, "events": res.events,
+            "output_len_mismatch": s["output_len_mismatch"], "rejected": s["rejected"],
+            "instance_s": res.instance_s, "scaling": res.scaling, "migrated": res.migrated,
+            "live_migration": res.migration,
+            "prefix_hit_tokens": res.prefix_hit_tokens,
+            "prefix_queried_tokens": res.prefix_queried_tokens,
+        }
+        raw_col = {"requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe()}
+        wl_meta = {"name": wl.name, "summary_line": workload_summary_line(wl), "describe": wl.describe()}
+        return wl_meta, build_cell(s, res.resource_s), detail, raw_col
+
     def run(self) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any]]]]:
         c = self.config
         t0 = time.monotonic()
@@ -179,40 +210,25 @@ class SimSideBySide:
         probed: dict[str, float | None] = {}
         total = len(c.workloads) * len(c.rate_fractions) * len(c.columns)
         bar = tqdm(total=total, desc="simulate", disable=not c.progress)
+        tasks: list[tuple[str, float, float, str]] = []  # (workload, rate fraction, rate, column)
         for name in c.workloads:
             probed[name] = self.probe(name) if c.rate is None else None
             if c.floor:
                 floors[name] = self.floor(name, c.rate or (probed[name] or 1.0) * c.rate_fractions[0])
             for fraction in c.rate_fractions:
                 rate = c.rate if c.rate is not None else (probed[name] or 1.0) * fraction
-                wl = self.workload(name, c.num_requests, rate, c.seed)
-                key = c.cell_key(wl.name, fraction)
-                rates[key] = {"probed_rps": probed[name], "rate_rps": rate, "requests": c.num_requests,
-                              "rate_fraction": fraction if c.rate is None else None}
-                wmeta[key] = {"summary_line": workload_summary_line(wl), "describe": wl.describe(), "key": name,
-                              "rate_fraction": fraction if c.rate is None else None}
-                for col in c.columns:
-                    res = self.simulate(self.clusters[col.label], wl)
-                    s = summarize(res.records, slo=c.slo)
-                    cells.setdefault(key, {})[col.label] = build_cell(s, res.resource_s)
-                    good = s["good_requests"] if s["good_requests"] is not None else s["completed"]
-                    n_inst = len(res.busy_s)
-                    details.setdefault(key, {})[col.label] = {
-                        "busy_per_instance_s": res.busy_s, "steps_per_instance": res.steps,
-                        "duration_s": s["duration_s"], "goodput_rps": s["goodput"],
-                        "goodput_per_instance_s": good / (n_inst * s["duration_s"]) if s["duration_s"] > 0 else None,
-                        "local_prefills": res.local_prefills, "kept_decodes": res.kept_decodes,
-                        "flips": res.flips, "transfer_bytes": res.transfer_bytes, "events": res.events,
-                        "output_len_mismatch": s["output_len_mismatch"], "rejected": s["rejected"],
-                        "instance_s": res.instance_s, "scaling": res.scaling, "migrated": res.migrated,
-                        "live_migration": res.migration,
-                        "prefix_hit_tokens": res.prefix_hit_tokens,
-                        "prefix_queried_tokens": res.prefix_queried_tokens,
-                    }
-                    raw.setdefault(key, {})[col.label] = {
-                        "requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe(),
-                    }
-                    bar.update(1)
+                tasks += [(name, fraction, rate, col.label) for col in c.columns]
+        results = run_jobs(_column_task, [(self, name, rate, label) for name, _, rate, label in tasks], c.jobs)
+        for (name, fraction, rate, label), (wl_meta, cell, detail, raw_col) in zip(tasks, results, strict=True):
+            key = c.cell_key(wl_meta["name"], fraction)
+            rates[key] = {"probed_rps": probed[name], "rate_rps": rate, "requests": c.num_requests,
+                          "rate_fraction": fraction if c.rate is None else None}
+            wmeta[key] = {"summary_line": wl_meta["summary_line"], "describe": wl_meta["describe"], "key": name,
+                          "rate_fraction": fraction if c.rate is None else None}
+            cells.setdefault(key, {})[label] = cell
+            details.setdefault(key, {})[label] = detail
+            raw.setdefault(key, {})[label] = raw_col
+            bar.update(1)
         bar.close()
         meta = {
             "simulated": True, "command": self.command, "started_at": started, "wall_s": time.monotonic() - t0,
@@ -230,6 +246,10 @@ class SimSideBySide:
             "floor": floors, "slo": {"ttft_ms": c.slo.ttft_ms, "tpot_ms": c.slo.tpot_ms, "e2e_ms": c.slo.e2e_ms},
         }
         return {"workloads": finalize(cells), "meta": meta}, raw
+
+
+def _column_task(sbs: SimSideBySide, name: str, rate: float, label: str) -> tuple[dict[str, Any], ...]:
+    return sbs.column(name, rate, label)
 
 
 def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative_to: Path | None = None) -> str:
