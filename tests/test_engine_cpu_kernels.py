@@ -15,7 +15,7 @@ import torch
 
 from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.cpu_info import cpu_flags
-from tetriinfer.engine.models.layers import GEMV_F32_MAX_ROWS, Linear, use_gemv
+from tetriinfer.engine.models.layers import Linear, gemv_f32_max_rows, use_gemv
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.kernels_available(),
                                   reason="no AVX2/FMA CPU or no C compiler: the kernel is not built here")
@@ -95,24 +95,25 @@ def test_linear_uses_the_fp32_kernel_for_decode_batches_only(monkeypatch: pytest
     import tetriinfer.engine.models.layers as layers
 
     lin = Linear(40, 24, bias=True)
+    limit = gemv_f32_max_rows()
     calls: list[int] = []
     monkeypatch.setattr(layers, "gemv", lambda x, w, b: calls.append(x.shape[0]) or cpu_kernels.gemv(x, w, b))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            for rows in (1, 3, GEMV_F32_MAX_ROWS):
+            for rows in (1, 3, limit):
                 x = torch.randn(rows, 40)
                 assert use_gemv(x, lin.weight)
                 torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
                                            rtol=1e-5, atol=1e-5)
-            assert calls == [1, 3, GEMV_F32_MAX_ROWS]
-            lin(torch.randn(GEMV_F32_MAX_ROWS + 1, 40))  # prefill-sized: torch's blocked GEMM
-            assert calls == [1, 3, GEMV_F32_MAX_ROWS]
+            assert calls == [1, 3, limit]
+            lin(torch.randn(limit + 1, 40))  # prefill-sized: torch's blocked GEMM
+            assert calls == [1, 3, limit]
         torch.set_num_threads(2)
         with torch.inference_mode():
             lin(torch.randn(2, 40))  # several threads: the kernel splits its rows, or torch's parallel kernels
-        assert calls == [1, 3, GEMV_F32_MAX_ROWS] + ([2] if cpu_kernels.kernels_threaded() else [])
+        assert calls == [1, 3, limit] + ([2] if cpu_kernels.kernels_threaded() else [])
     finally:
         torch.set_num_threads(threads)
 
