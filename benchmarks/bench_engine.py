@@ -522,9 +522,10 @@ def run_vs_vllm(cfg: VsVllmConfig) -> list[VsRow]:
                 row.vllm_s, row.vllm_error = run_vllm(bench, dtype, wl, cfg.vllm_venv, threads)
                 print(f"[{dtype} x{threads}] vLLM {row.vllm_s:.1f} s {row.vllm_error}", flush=True)
             rows.append(row)
+            cfg.out.parent.mkdir(parents=True, exist_ok=True)
+            cfg.out.write_text(vs_markdown(cfg, rows, wl, load, time.perf_counter() - start))  # so far
     md = vs_markdown(cfg, rows, wl, load, time.perf_counter() - start)
     print(md)
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(md)
     cfg.out.with_suffix(".json").write_text(json.dumps(
         {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
@@ -543,7 +544,7 @@ def vs_markdown(cfg: VsVllmConfig, rows: list[VsRow], wl: Workload, load: str, t
     from tetriinfer.engine.cpu_info import isa_summary
     from tetriinfer.engine.cpu_kernels import kernels_threaded
 
-    base = {r.dtype: r for r in rows if r.threads == min(cfg.threads)}
+    first = {r.dtype: r for r in rows}  # each dtype's first row: its runs are in --threads order
     lines = [
         f"Real model `{cfg.model.name}`: {len(wl.prompts)} held-out AlpacaEval chat prompts "
         f"({sum(map(len, wl.prompts))} prompt tokens), {cfg.output_tokens} output tokens each (ignore_eos, greedy). "
@@ -553,12 +554,12 @@ def vs_markdown(cfg: VsVllmConfig, rows: list[VsRow], wl: Workload, load: str, t
         f"`python benchmarks/bench_engine.py {' '.join(sys.argv[1:])}`",
         "",
         "| dtype | threads | engine s | engine decode s | vLLM s | engine speed vs vLLM | engine vs its "
-        f"{min(cfg.threads)}-thread run | engine decode vs {min(cfg.threads)}-thread | vLLM vs its "
-        f"{min(cfg.threads)}-thread run |",
+        f"{cfg.threads[0]}-thread run | engine decode vs {cfg.threads[0]}-thread | vLLM vs its "
+        f"{cfg.threads[0]}-thread run |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        b = base[r.dtype]
+        b = first[r.dtype]
         vllm = "failed" if r.vllm_error else _fmt(r.vllm_s, ".1f")
         lines.append(
             f"| {r.dtype} | {r.threads} | {r.engine_s:.1f} | {r.engine_decode_s:.1f} | {vllm} | "

@@ -76,6 +76,19 @@ def test_avx512_bf16_gemm_on_threads_equals_one_thread() -> None:
             assert torch.equal(cpu_kernels.gemm_bf16_avx512(x, w, b, num_threads=t), one), (m, n, k, t)
 
 
+@needs_avx512
+def test_avx512_f32_gemm_matches_torch_and_on_threads_equals_one_thread() -> None:
+    g = torch.Generator().manual_seed(2)
+    for m, n, k in [*MATMUL_SHAPES, (6, 260, 16), (8, 775, 15)]:
+        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        one = cpu_kernels.gemm_f32_avx512(x, w, b, num_threads=1)
+        torch.testing.assert_close(one, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        for t in THREADS:
+            assert torch.equal(cpu_kernels.gemm_f32_avx512(x, w, b, num_threads=t), one), (m, n, k, t)
+    with pytest.raises(ValueError, match="gemm_f32_avx512"):
+        cpu_kernels.gemm_f32_avx512(torch.zeros(cpu_kernels.MAX_ROWS + 1, 4), torch.zeros(3, 4), None)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("b", "h", "hkv", "d"), [(1, 9, 3, 64), (3, 6, 2, 20), (5, 4, 4, 72)])

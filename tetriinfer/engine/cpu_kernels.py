@@ -207,14 +207,16 @@ def _load_avx512() -> ctypes.CDLL | None:
         if dll is None:
             return None
         fn = dll.tetri_gemm_bf16_avx512
+        fn32 = dll.tetri_gemm_f32_avx512
         attn = dll.tetri_prefill_attn_bf16
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("AVX-512 BF16 matmul unavailable (%s %s): the other kernels are used", e,
                     detail.decode(errors="replace")[:500])
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
-    fn.restype = ctypes.c_int
+    for f in (fn, fn32):
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
+        f.restype = ctypes.c_int
     attn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
                      + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64])
     attn.restype = ctypes.c_int
@@ -245,6 +247,26 @@ def gemm_bf16_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.empty((m, n), dtype=torch.bfloat16)
     dll.tetri_gemm_bf16_avx512(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                y.data_ptr(), m, n, k, _threads(dll, num_threads))
+    return y
+
+
+def gemm_f32_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    num_threads: int | None = None) -> torch.Tensor:
+    """[M, K] @ [N, K].T (+ [N]) -> [M, N], all fp32 on 16-lane FMAs (only the summation order differs from
+    torch); M <= MAX_ROWS; the weight rows split over up to ``num_threads`` threads (default torch's count;
+    bit-identical for any count). Call only when `avx512_bf16_available()`; contiguous CPU tensors."""
+    dll = _load_avx512()
+    assert dll is not None
+    m, k = x.shape
+    n = weight.shape[0]
+    if (weight.shape[1] != k or (bias is not None and bias.shape != (n,)) or not 0 < m <= MAX_ROWS
+            or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or (bias is not None and bias.dtype != torch.float32)):
+        raise ValueError(f"gemm_f32_avx512: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    y = torch.empty((m, n), dtype=torch.float32)
+    dll.tetri_gemm_f32_avx512(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                              y.data_ptr(), m, n, k, _threads(dll, num_threads))
     return y
 
 

@@ -14,6 +14,7 @@ from tetriinfer.engine.cpu_kernels import (
     MAX_ROWS,
     avx512_bf16_available,
     gemm_bf16_avx512,
+    gemm_f32_avx512,
     gemv,
     kernels_available,
     kernels_threaded,
@@ -30,6 +31,11 @@ GEMV_F32_MAX_ROWS = 48
 # Zen 4 (SmolLM2-135M's four decoder matmuls, one thread), the kernel took 0.92 / 0.72 / 0.88x torch's time at
 # 1 / 4 / 8 rows and 1.03 / 1.08 / 1.10 / 1.56x at 16 / 32 / 48 / 64 rows, so it keeps the fewest rows only.
 GEMV_F32_MAX_ROWS_AVX512 = 8
+# Where the AVX-512 kernels are built, fp32 matmuls of 2 to this many rows take the 16-lane fp32 kernel instead (one
+# row keeps the AVX2 kernel's single linear weight stream, 9% faster there): on Zen 4, SmolLM2-135M's four decoder
+# matmuls ran 2.1 / 1.6 / 1.4 / 1.3 / 1.2 / 1.2x faster than torch at 4 / 8 / 16 / 32 / 48 / 64 rows on one thread
+# and 3.8 / 2.3 / 1.9 / 1.7 / 1.65 / 1.7x on two.
+GEMM_F32_AVX512_MAX_ROWS = 64
 # On CPUs with bf16 instructions but no AMX (AVX-512 BF16, e.g. AMD Zen 4), bf16 matmuls of at most this many rows
 # use the native kernel too; from ~8 rows oneDNN's native bf16 GEMM wins (measured on Zen 4: whole decode steps of
 # the tiny llama at batch 1/4/8/16 were fastest with 4).
@@ -69,7 +75,8 @@ class Linear(nn.Linear):
     reduced-precision matmuls of >= UPCAST_MIN_ROWS rows in fp32 (AVX2: torch's bf16 GEMM runs ~5x slower than
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
     `tetriinfer.engine.cpu_kernels` when it is available (see `native_ok`); fp32 matmuls of at
-    most `gemv_f32_max_rows()` rows (decode batches) use the fp32 kernel under the same conditions; on CPUs with bf16
+    most `f32_native_matmul_max_rows()` rows (decode batches) use a native fp32 kernel under the same conditions
+    (AVX-512 from two rows where it is built, else AVX2); on CPUs with bf16
     instructions, bf16 matmuls of at most `bf16_native_matmul_max_rows()` rows take the AVX-512 BF16 kernel (where
     it is built; fewer rows on AMX CPUs), else the AVX2 one (not on AMX CPUs). Same arithmetic as
     torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
@@ -78,7 +85,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if x.device.type == "cpu" and x.dim() == 2:
             if x.dtype == torch.float32:
-                if x.shape[0] <= gemv_f32_max_rows() and use_gemv(x, self.weight):
+                rows = x.shape[0]
+                if rows <= f32_native_matmul_max_rows() and use_gemv(x, self.weight):
+                    if rows > 1 and avx512_bf16_available():
+                        return gemm_f32_avx512(x.contiguous(), self.weight, self.bias)
                     return gemv(x.contiguous(), self.weight, self.bias)
             elif not cpu_has_native(x.dtype):
                 if x.shape[0] >= UPCAST_MIN_ROWS:
@@ -92,6 +102,12 @@ class Linear(nn.Linear):
                     return gemm_bf16_avx512(x.contiguous(), self.weight, self.bias)
                 return gemv(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def f32_native_matmul_max_rows() -> int:
+    """The most rows an fp32 matmul may have to take a native kernel: GEMM_F32_AVX512_MAX_ROWS where the AVX-512
+    kernels are built, else `gemv_f32_max_rows()` (the AVX2 kernel)."""
+    return GEMM_F32_AVX512_MAX_ROWS if avx512_bf16_available() else gemv_f32_max_rows()
 
 
 def gemv_f32_max_rows() -> int:
