@@ -129,6 +129,24 @@ def test_prefill_attention_on_threads_equals_one_thread(lq: int, ctx: int, h: in
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rope_on_threads_equal_one_thread(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    for rows, dim in ((48, 576), (37, 385), (3, 64)):  # split (and a ragged last part), and too small to split
+        x, w = torch.randn(rows, dim, generator=g).to(dtype), torch.randn(dim, generator=g).to(dtype)
+        one = cpu_kernels.rmsnorm(x, w, 1e-5, num_threads=1)
+        for t in THREADS:
+            assert torch.equal(cpu_kernels.rmsnorm(x, w, 1e-5, num_threads=t), one), (rows, dim, t)
+    qkv = torch.randn(45, 15 * 64, generator=g).to(dtype)  # 45 tokens x (9 + 2 x 3 heads) x 64, a column slice
+    cos, sin = (torch.randn(45, 1, 64, generator=g).to(dtype) for _ in range(2))
+    x = qkv[:, : 9 * 64].view(45, 9, 64)
+    one = cpu_kernels.rope(x, cos, sin, num_threads=1)
+    assert torch.equal(one, x * cos + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * sin)
+    for t in THREADS:
+        assert torch.equal(cpu_kernels.rope(x, cos, sin, num_threads=t), one), t
+
+
+@needs_kernel
 def test_bad_thread_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="num_threads"):
         cpu_kernels.gemv(torch.zeros(1, 4), torch.zeros(3, 4), None, num_threads=0)

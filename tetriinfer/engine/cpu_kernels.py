@@ -148,10 +148,10 @@ def _load() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
         fn.restype = ctypes.c_int
     for fn in norms:
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
         fn.restype = ctypes.c_int
     for fn in ropes:
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5  # ..., T, H, D, token stride, nthreads
         fn.restype = ctypes.c_int
     for fn in attns:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
@@ -294,9 +294,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int | None = None) -> torch.Tensor:
     """[M, N] -> [M, N], ``weight * rms_norm(x.float(), eps).to(x.dtype)`` (torch's rounding), fp32 or bf16; contiguous
-    CPU tensors of one dtype. Call only when `kernels_available()`."""
+    CPU tensors of one dtype; rows split over up to ``num_threads`` threads when there are enough (bit-identical
+    for any count). Call only when `kernels_available()`."""
     dll = _load()
     assert dll is not None
     if (x.dim() != 2 or weight.shape != (x.shape[1],) or x.dtype != weight.dtype
@@ -304,14 +305,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rmsnorm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty_like(x)
     fn = dll.tetri_rmsnorm_f32 if x.dtype == torch.float32 else dll.tetri_rmsnorm_bf16
-    fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, _threads(dll, num_threads))
     return y
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """Rotate-half RoPE: x [T, H, D] (heads and dims contiguous, any token stride: a column slice of the fused qkv
     projection), cos / sin [T, 1, D] contiguous -> [T, H, D] contiguous, ``x * cos + cat(-x2, x1) * sin`` with torch's
-    per-op rounding (fp32 bit-identical). Call only when `kernels_available()`."""
+    per-op rounding (fp32 bit-identical); (token, head) pairs split over up to ``num_threads`` threads when there
+    are enough (bit-identical for any count). Call only when `kernels_available()`."""
     dll = _load()
     assert dll is not None
     t, h, d = x.shape
@@ -321,7 +323,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rope: x {tuple(x.shape)} strides {x.stride()} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}")
     out = torch.empty((t, h, d), dtype=x.dtype)
     fn = dll.tetri_rope_f32 if x.dtype == torch.float32 else dll.tetri_rope_bf16
-    fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d, x.stride(0))
+    fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d, x.stride(0), _threads(dll, num_threads))
     return out
 
 

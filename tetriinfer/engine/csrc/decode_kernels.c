@@ -450,10 +450,10 @@ int tetri_decode_attn_f32(const float *q, const float *k_cache, const float *v_c
 /* RMSNorm of M rows of N (fp32 or bf16, as torch computes `w * rms_norm(x.float()).to(dtype)`):
  * t = x * 1/sqrt(mean(x^2) + eps) in fp32, rounded to the dtype, then y = w * t rounded to the dtype.
  * Only the order of the sum of squares differs from torch. Returns 0. */
-static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, const void *w, void *y, int64_t M,
-                                                                int64_t N, float eps, int F32) {
+static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, const void *w, void *y, int64_t lo,
+                                                                int64_t hi, int64_t N, float eps, int F32) {
     int64_t esz = F32 ? 4 : 2;
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = lo; m < hi; m++) {
         const char *xr = (const char *)x + m * N * esz;
         __m256 acc = _mm256_setzero_ps();
         int64_t k = 0;
@@ -476,13 +476,29 @@ static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, co
     }
 }
 
-int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps) {
-    rmsnorm_rows(x, w, y, M, N, eps, 1);
+/* Elements per thread below which the small per-token ops (RMSNorm, RoPE) are not split. */
+#define MIN_ELEMS_PER_THREAD 8192
+
+int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps, int64_t nthreads) {
+    int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        rmsnorm_rows(x, w, y, lo, hi, N, eps, 1);
+    }
     return 0;
 }
 
-int tetri_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, float eps) {
-    rmsnorm_rows(x, w, y, M, N, eps, 0);
+int tetri_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, float eps,
+                       int64_t nthreads) {
+    int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        rmsnorm_rows(x, w, y, lo, hi, N, eps, 0);
+    }
     return 0;
 }
 
@@ -496,33 +512,46 @@ static inline __attribute__((always_inline)) float rnd(float v, int F32) {
 }
 
 static inline __attribute__((always_inline)) void rope_rows(const void *x, const void *cs, const void *sn, void *out,
-                                                             int64_t T, int64_t H, int64_t D, int64_t xs, int F32) {
+                                                             int64_t lo, int64_t hi, int64_t H, int64_t D,
+                                                             int64_t xs, int F32) {
     int64_t half = D / 2;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) {
-            int64_t xi = t * xs + h * D, oi = (t * H + h) * D, ci = t * D;
-            for (int64_t d = 0; d < D; d++) {
-                float xv = kv1(x, xi + d, F32);
-                float rot = d < half ? -kv1(x, xi + d + half, F32) : kv1(x, xi + d - half, F32);
-                volatile float a = rnd(xv * kv1(cs, ci + d, F32), F32);  /* volatile: never contracted to an FMA */
-                volatile float b = rnd(rot * kv1(sn, ci + d, F32), F32);
-                float o = rnd(a + b, F32);
-                if (F32)
-                    ((float *)out)[oi + d] = o;
-                else
-                    ((uint16_t *)out)[oi + d] = f32_to_bf16(o);
-            }
+    for (int64_t it = lo; it < hi; it++) { /* (token, head) pairs */
+        int64_t t = it / H, h = it % H;
+        int64_t xi = t * xs + h * D, oi = (t * H + h) * D, ci = t * D;
+        for (int64_t d = 0; d < D; d++) {
+            float xv = kv1(x, xi + d, F32);
+            float rot = d < half ? -kv1(x, xi + d + half, F32) : kv1(x, xi + d - half, F32);
+            volatile float a = rnd(xv * kv1(cs, ci + d, F32), F32);  /* volatile: never contracted to an FMA */
+            volatile float b = rnd(rot * kv1(sn, ci + d, F32), F32);
+            float o = rnd(a + b, F32);
+            if (F32)
+                ((float *)out)[oi + d] = o;
+            else
+                ((uint16_t *)out)[oi + d] = f32_to_bf16(o);
         }
+    }
 }
 
 int tetri_rope_f32(const float *x, const float *cs, const float *sn, float *out, int64_t T, int64_t H, int64_t D,
-                   int64_t xs) {
-    rope_rows(x, cs, sn, out, T, H, D, xs, 1);
+                   int64_t xs, int64_t nthreads) {
+    int nt = team_for(nthreads, T * H * D, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(T * H, 1, team_size(), team_id(), &lo, &hi);
+        rope_rows(x, cs, sn, out, lo, hi, H, D, xs, 1);
+    }
     return 0;
 }
 
 int tetri_rope_bf16(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *out, int64_t T, int64_t H,
-                    int64_t D, int64_t xs) {
-    rope_rows(x, cs, sn, out, T, H, D, xs, 0);
+                    int64_t D, int64_t xs, int64_t nthreads) {
+    int nt = team_for(nthreads, T * H * D, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(T * H, 1, team_size(), team_id(), &lo, &hi);
+        rope_rows(x, cs, sn, out, lo, hi, H, D, xs, 0);
+    }
     return 0;
 }
