@@ -477,7 +477,7 @@ static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, co
 }
 
 /* Elements per thread below which the small per-token ops (RMSNorm, RoPE) are not split. */
-#define MIN_ELEMS_PER_THREAD 8192
+#define MIN_ELEMS_PER_THREAD 4096
 
 int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps, int64_t nthreads) {
     int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
