@@ -544,7 +544,9 @@ def vs_markdown(cfg: VsVllmConfig, rows: list[VsRow], wl: Workload, load: str, t
     from tetriinfer.engine.cpu_info import isa_summary
     from tetriinfer.engine.cpu_kernels import kernels_threaded
 
-    first = {r.dtype: r for r in rows}  # each dtype's first row: its runs are in --threads order
+    first: dict[str, VsRow] = {}  # each dtype's first row (its runs are in --threads order): the ratios' base
+    for r in rows:
+        first.setdefault(r.dtype, r)
     lines = [
         f"Real model `{cfg.model.name}`: {len(wl.prompts)} held-out AlpacaEval chat prompts "
         f"({sum(map(len, wl.prompts))} prompt tokens), {cfg.output_tokens} output tokens each (ignore_eos, greedy). "
