@@ -15,7 +15,13 @@
  * GEMM carries ~20 us of fixed cost per call on such CPUs (no AMX). Layout as in the AVX2 kernel: a group of NB <= 4
  * weight rows is read once and applied to every row of x, R <= 6 rows per pass (24 accumulators + 4 weight vectors +
  * one x vector = 29 of the 32 zmm registers), the group stays in L1 between passes. K tails use masked loads
- * (zeros contribute nothing). Single-threaded; only reads its inputs and writes y.
+ * (zeros contribute nothing). Only reads its inputs and writes y.
+ *
+ * Threads: built with -fopenmp (linking libgomp.so.1 by soname, so it shares the OpenMP runtime torch loaded: one
+ * pool of threads, no oversubscription), the matmuls split the weight rows (output features) over the team in whole
+ * groups of 4 and prefill attention deals out its (query head, query block) pairs; each output element is computed
+ * by exactly the code a single thread runs, so every thread count gives bit-identical results. Without OpenMP the
+ * pragmas are ignored and everything runs on the calling thread (tetri_avx512_openmp() says which).
  */
 #include <immintrin.h>
 #include <math.h>
