@@ -37,9 +37,10 @@ def _openmp_compiles(tmp_path: Path) -> bool:
 
 @needs_kernel
 def test_kernels_are_threaded_where_the_compiler_has_openmp(tmp_path: Path) -> None:
-    assert cpu_kernels.kernels_threaded() is _openmp_compiles(tmp_path)
-    if cpu_kernels.kernels_threaded():
-        assert len(cpu_kernels._openmp_runtimes()) == 1  # the kernels share torch's runtime: one thread pool
+    """Threaded exactly when the compiler builds OpenMP and the kernels share torch's runtime (one thread pool);
+    a second runtime mapped beside torch's would mean two pools spinning against each other: single-threaded."""
+    one_runtime = len(cpu_kernels._openmp_runtimes()) == 1
+    assert cpu_kernels.kernels_threaded() is (_openmp_compiles(tmp_path) and one_runtime)
 
 
 # (M, N, K): N from 197 (3 parts of 64+ rows, ragged last group of 1) to 1030; M over the x-row pass tails; K tails
