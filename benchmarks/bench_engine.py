@@ -15,12 +15,20 @@
     requests, run offline in a subprocess; the ratio is reported whatever it is, and an install or run
     failure is recorded with its error.
 
+(e) ``--vs-vllm``: a real model (``--model``, e.g. an HF folder of SmolLM2-135M-Instruct) on held-out AlpacaEval
+    chat prompts (the predictor's validation split of the instructions, rendered with the model's chat template),
+    ``--output-tokens`` each (ignore_eos, greedy), for every dtype and every ``--threads`` count: the engine
+    (offline ``LLM``, that many threads) and vLLM's CPU build (its own venv, ``OMP_NUM_THREADS`` the same) back to
+    back in the same run. Prints each time, engine vs vLLM, and the N-thread over 1-thread speed of each; the
+    engine's decode share is its time minus a prefill-only pass (``max_tokens=1``) over the same prompts.
+
 Ratios are measured within one run: the machine is shared and noisy (DESIGN.md section 6). Part (a) runs
 the issue's setting unless its estimate exceeds ``--budget-minutes``; then it runs the largest prefix of
 requests (a multiple of 16) and length scale that fits, and the table says which setting ran.
 
     python benchmarks/bench_engine.py                       # issue's setting, fp32 + bf16
     python benchmarks/bench_engine.py --dtypes float32 --num-requests 16 --scale 0.25 --vllm
+    python benchmarks/bench_engine.py --vs-vllm --model PATH --threads 1,2 --vllm-venv /work/venvs/vllm
 """
 
 from __future__ import annotations
@@ -339,14 +347,14 @@ def fit_workload(cfg: BenchConfig, vocab: int, res: DtypeResult, decoder_params:
 # (d): vLLM CPU in its own venv
 
 
-def ensure_vllm() -> Path:
-    python = VLLM_VENV / "bin" / "python"
+def ensure_vllm(venv: Path = VLLM_VENV) -> Path:
+    python = venv / "bin" / "python"
     check = [str(python), "-c", "import vllm"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
-    VLLM_VENV.parent.mkdir(parents=True, exist_ok=True)
-    print(f"installing {' '.join(VLLM_PACKAGES)} into {VLLM_VENV} ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    print(f"installing {' '.join(VLLM_PACKAGES)} into {venv} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip"]
     subprocess.run([*pip, "install", *VLLM_PACKAGES], check=True)
     subprocess.run([*pip, "uninstall", "-y", *VLLM_CUDA_EXTRAS], check=False)  # CUDA builds it pulls
@@ -378,10 +386,12 @@ VLLM_SCRIPT = textwrap.dedent(
 )
 
 
-def run_vllm(cfg: BenchConfig, dtype: str, wl: Workload) -> tuple[float, str]:
-    """-> (seconds, "") or (nan, the error) ."""
+def run_vllm(cfg: BenchConfig, dtype: str, wl: Workload, venv: Path = VLLM_VENV,
+             threads: int | None = None) -> tuple[float, str]:
+    """-> (seconds, "") or (nan, the error); vLLM runs ``threads`` OpenMP threads (default cfg.num_threads)."""
+    threads = cfg.num_threads if threads is None else threads
     try:
-        python = ensure_vllm()
+        python = ensure_vllm(venv)
     except (subprocess.CalledProcessError, OSError) as e:
         return math.nan, f"install failed: {e}"
     work = ROOT / ".cache" / "vllm-bench"
@@ -391,20 +401,176 @@ def run_vllm(cfg: BenchConfig, dtype: str, wl: Workload) -> tuple[float, str]:
                                 "outputs": wl.outputs}))
     script = work / "run_vllm.py"
     script.write_text(VLLM_SCRIPT)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(cfg.num_threads),
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads),
                VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
-    print(f"running vLLM ({dtype}) in a subprocess ...", flush=True)
+    print(f"running vLLM ({dtype}, {threads} thread(s)) in a subprocess ...", flush=True)
     proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
             return float(json.loads(line.removeprefix("VLLM_RESULT "))["seconds"]), ""
-    log = work / f"vllm_{dtype}.log"
+    log = work / f"vllm_{dtype}_{threads}t.log"
     log.write_text(proc.stdout + proc.stderr)
     lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
     # The root cause is the first exception line (later ones are "see root cause above" wrappers).
     errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln)]
     msg = errors[0] if errors else " / ".join(lines[-3:])
     return math.nan, f"{msg[:400]} (exit {proc.returncode}; full log {log.relative_to(ROOT)})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# (e): a real model on chat prompts against vLLM, per dtype and thread count
+
+ALPACA_EVAL = ROOT.parent / "shared" / "data" / "alpaca_eval" / "gpt4_1106_preview.json"
+HELDOUT_FRACTION = 0.2  # the predictor's default validation fraction: these instructions are never trained on
+
+
+@dataclass(frozen=True)
+class VsVllmConfig:
+    model: Path
+    dtypes: tuple[str, ...]
+    threads: tuple[int, ...]
+    num_prompts: int
+    output_tokens: int
+    chunk_size: int
+    vllm_venv: Path
+    vllm: bool
+    seed: int
+    out: Path
+
+    def __post_init__(self) -> None:
+        if not self.threads or min(self.threads) < 1:
+            raise ValueError(f"threads must be counts >= 1, got {self.threads}")
+        if self.num_prompts < 1 or self.output_tokens < 1 or self.chunk_size < 1:
+            raise ValueError("num_prompts, output_tokens and chunk_size must be >= 1")
+        bad = [d for d in self.dtypes if d not in ("float32", "bfloat16")]
+        if bad or not self.dtypes:
+            raise ValueError(f"dtypes must be float32 and/or bfloat16, got {self.dtypes}")
+        if not (self.model / "config.json").is_file():
+            raise FileNotFoundError(f"--model must be an HF model folder (no config.json in {self.model})")
+
+
+@dataclass
+class VsRow:
+    dtype: str
+    threads: int
+    engine_s: float = math.nan
+    engine_prefill_s: float = math.nan
+    vllm_s: float = math.nan
+    vllm_error: str = ""
+
+    @property
+    def engine_decode_s(self) -> float:
+        return self.engine_s - self.engine_prefill_s
+
+
+def heldout_chat_prompts(model: Path, n: int, seed: int) -> list[list[int]]:
+    """The first ``n`` AlpacaEval instructions of the held-out split (by instruction text, as the length predictor
+    splits them), each rendered as one user turn with the model's chat template and tokenized."""
+    from tetriinfer.engine.tokenizer_loader import load_tokenizer
+    from tetriinfer.predictor.dataset import split_of
+
+    tok = load_tokenizer(model)
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError(f"{model} ships no tokenizer with a chat template")
+    rows = json.loads(ALPACA_EVAL.read_text())
+    texts = [r["instruction"] for r in rows if split_of(r["instruction"], seed, HELDOUT_FRACTION) == "val"][:n]
+    if len(texts) < n:
+        raise ValueError(f"only {len(texts)} held-out instructions, {n} asked")
+    out = []
+    for t in texts:
+        chat = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        out.append(tok(chat, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def _engine_seconds(model: Path, dtype: str, threads: int, chunk_size: int, wl: Workload,
+                    seed: int) -> tuple[float, float]:
+    """-> (seconds of the whole workload, seconds of a prefill-only pass over the same prompts), one engine of
+    ``threads`` threads (each pass after a warm-up)."""
+    llm = LLM(model=str(model), dtype=dtype, chunk_size=chunk_size, num_threads=threads, kv_cache_memory_gb=2.0,
+              max_model_len=2048, seed=seed)
+    try:
+        total = run_engine(llm, wl)
+        prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        prefill = time.perf_counter() - t0
+    finally:
+        del llm
+    return total, prefill
+
+
+def run_vs_vllm(cfg: VsVllmConfig) -> list[VsRow]:
+    start = time.perf_counter()
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    prompts = heldout_chat_prompts(cfg.model, cfg.num_prompts, cfg.seed)
+    wl = Workload(prompts, [cfg.output_tokens] * len(prompts), len(prompts), 1.0)
+    bench = BenchConfig(model=cfg.model, dtypes=cfg.dtypes, num_requests=len(prompts), scale=1.0,
+                        num_threads=cfg.threads[0], chunk_size=cfg.chunk_size, decode_context=1, budget_minutes=0,
+                        vllm=cfg.vllm, seed=cfg.seed, out=cfg.out)
+    print(f"{len(prompts)} held-out chat prompts, {sum(map(len, prompts))} prompt tokens, "
+          f"{cfg.output_tokens} output tokens each", flush=True)
+    rows: list[VsRow] = []
+    for dtype in cfg.dtypes:
+        for threads in cfg.threads:  # engine then vLLM on the same thread count, back to back
+            row = VsRow(dtype, threads)
+            row.engine_s, row.engine_prefill_s = _engine_seconds(cfg.model, dtype, threads, cfg.chunk_size, wl,
+                                                                 cfg.seed)
+            print(f"[{dtype} x{threads}] engine {row.engine_s:.1f} s (prefill-only pass {row.engine_prefill_s:.1f} s)",
+                  flush=True)
+            if cfg.vllm:
+                row.vllm_s, row.vllm_error = run_vllm(bench, dtype, wl, cfg.vllm_venv, threads)
+                print(f"[{dtype} x{threads}] vLLM {row.vllm_s:.1f} s {row.vllm_error}", flush=True)
+            rows.append(row)
+            cfg.out.parent.mkdir(parents=True, exist_ok=True)
+            cfg.out.write_text(vs_markdown(cfg, rows, wl, load, time.perf_counter() - start))  # so far
+    md = vs_markdown(cfg, rows, wl, load, time.perf_counter() - start)
+    print(md)
+    cfg.out.write_text(md)
+    cfg.out.with_suffix(".json").write_text(json.dumps(
+        {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+         "rows": [asdict(r) for r in rows]}, indent=2, default=str))
+    return rows
+
+
+def _cpu_model() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def vs_markdown(cfg: VsVllmConfig, rows: list[VsRow], wl: Workload, load: str, total_s: float) -> str:
+    from tetriinfer.engine.cpu_info import isa_summary
+    from tetriinfer.engine.cpu_kernels import kernels_threaded
+
+    first: dict[str, VsRow] = {}  # each dtype's first row (its runs are in --threads order): the ratios' base
+    for r in rows:
+        first.setdefault(r.dtype, r)
+    lines = [
+        f"Real model `{cfg.model.name}`: {len(wl.prompts)} held-out AlpacaEval chat prompts "
+        f"({sum(map(len, wl.prompts))} prompt tokens), {cfg.output_tokens} output tokens each (ignore_eos, greedy). "
+        f"{_cpu_model()} ({os.cpu_count()} cores; {isa_summary()}), torch {torch.__version__}, native kernels "
+        f"{'threaded (OpenMP)' if kernels_threaded() else 'single-threaded'}; load average at start {load}; "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}, {total_s / 60:.1f} min. "
+        f"`python benchmarks/bench_engine.py {' '.join(sys.argv[1:])}`",
+        "",
+        "| dtype | threads | engine s | engine decode s | vLLM s | engine speed vs vLLM | engine vs its "
+        f"{cfg.threads[0]}-thread run | engine decode vs {cfg.threads[0]}-thread | vLLM vs its "
+        f"{cfg.threads[0]}-thread run |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b = first[r.dtype]
+        vllm = "failed" if r.vllm_error else _fmt(r.vllm_s, ".1f")
+        lines.append(
+            f"| {r.dtype} | {r.threads} | {r.engine_s:.1f} | {r.engine_decode_s:.1f} | {vllm} | "
+            f"{_fmt(r.vllm_s / r.engine_s, '.2f', 'x')} | {b.engine_s / r.engine_s:.2f}x | "
+            f"{b.engine_decode_s / r.engine_decode_s:.2f}x | {_fmt(b.vllm_s / r.vllm_s, '.2f', 'x')} |")
+    lines += ["", "Speeds are ratios of wall times (higher is faster); engine decode = its run minus a prefill-only "
+              "pass over the same prompts."]
+    lines += [f"- {r.dtype} x{r.threads}: vLLM failed: `{r.vllm_error}`" for r in rows if r.vllm_error]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -585,7 +751,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure only (b) decode bandwidth and (c) prefill peak fractions (minutes, not the hour "
                          "HF's baseline takes); writes docs/engine.md unless --out is given")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--vs-vllm", action="store_true",
+                    help="(e) only: the real --model on held-out chat prompts, engine and vLLM per dtype and thread "
+                         "count (writes docs/engine_vs_vllm.md unless --out is given)")
+    ap.add_argument("--threads", default="1,2", help="(e): thread counts, comma-separated")
+    ap.add_argument("--num-prompts", type=int, default=48, help="(e): held-out chat prompts")
+    ap.add_argument("--output-tokens", type=int, default=128, help="(e): output tokens per prompt")
+    ap.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
+                    help="(e): the venv holding vLLM's CPU build (installed there on demand)")
+    ap.add_argument("--no-vllm", action="store_true", help="(e): the engine only")
     a = ap.parse_args(argv)
+    if a.vs_vllm:
+        run_vs_vllm(VsVllmConfig(
+            model=a.model.expanduser().absolute(),
+            dtypes=tuple(d.strip() for d in a.dtypes.split(",") if d.strip()),
+            threads=tuple(int(t) for t in a.threads.split(",") if t.strip()),
+            num_prompts=a.num_prompts, output_tokens=a.output_tokens, chunk_size=a.chunk_size,
+            vllm_venv=a.vllm_venv.expanduser().absolute(), vllm=not a.no_vllm, seed=a.seed,
+            out=a.out or ROOT / "docs" / "engine_vs_vllm.md"))
+        return 0
     cfg = BenchConfig(
         model=ensure_model(a.model.expanduser().absolute()),
         dtypes=tuple(d.strip() for d in a.dtypes.split(",") if d.strip()),

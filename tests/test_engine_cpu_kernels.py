@@ -15,7 +15,7 @@ import torch
 
 from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.cpu_info import cpu_flags
-from tetriinfer.engine.models.layers import GEMV_F32_MAX_ROWS, Linear, use_gemv
+from tetriinfer.engine.models.layers import Linear, f32_native_matmul_max_rows, use_gemv
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.kernels_available(),
                                   reason="no AVX2/FMA CPU or no C compiler: the kernel is not built here")
@@ -92,27 +92,35 @@ def test_gemv_fp32_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
 
 @needs_kernel
 def test_linear_uses_the_fp32_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 matmuls of at most `f32_native_matmul_max_rows()` rows take a native kernel (one row the AVX2 one, more
+    rows the AVX-512 one where it is built) and match torch; more rows take torch's GEMM."""
     import tetriinfer.engine.models.layers as layers
 
     lin = Linear(40, 24, bias=True)
-    calls: list[int] = []
-    monkeypatch.setattr(layers, "gemv", lambda x, w, b: calls.append(x.shape[0]) or cpu_kernels.gemv(x, w, b))
+    limit = f32_native_matmul_max_rows()
+    avx512 = cpu_kernels.avx512_bf16_available()
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(layers, "gemv", lambda x, w, b: calls.append(("avx2", x.shape[0])) or cpu_kernels.gemv(x, w, b))
+    monkeypatch.setattr(layers, "gemm_f32_avx512", lambda x, w, b: calls.append(("avx512", x.shape[0]))
+                        or cpu_kernels.gemm_f32_avx512(x, w, b))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    want = [("avx2", 1)] + [("avx512" if avx512 else "avx2", r) for r in (3, limit)]
     try:
         with torch.inference_mode():
-            for rows in (1, 3, GEMV_F32_MAX_ROWS):
+            for rows in (1, 3, limit):
                 x = torch.randn(rows, 40)
                 assert use_gemv(x, lin.weight)
                 torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
                                            rtol=1e-5, atol=1e-5)
-            assert calls == [1, 3, GEMV_F32_MAX_ROWS]
-            lin(torch.randn(GEMV_F32_MAX_ROWS + 1, 40))  # prefill-sized: torch's blocked GEMM
-            assert calls == [1, 3, GEMV_F32_MAX_ROWS]
+            assert calls == want
+            lin(torch.randn(limit + 1, 40))  # prefill-sized: torch's blocked GEMM
+            assert calls == want
         torch.set_num_threads(2)
         with torch.inference_mode():
             lin(torch.randn(2, 40))  # several threads: the kernel splits its rows, or torch's parallel kernels
-        assert calls == [1, 3, GEMV_F32_MAX_ROWS] + ([2] if cpu_kernels.kernels_threaded() else [])
+        two = [("avx512" if avx512 else "avx2", 2)] if cpu_kernels.kernels_threaded() else []
+        assert calls == want + two
     finally:
         torch.set_num_threads(threads)
 

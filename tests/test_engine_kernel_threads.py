@@ -37,9 +37,10 @@ def _openmp_compiles(tmp_path: Path) -> bool:
 
 @needs_kernel
 def test_kernels_are_threaded_where_the_compiler_has_openmp(tmp_path: Path) -> None:
-    assert cpu_kernels.kernels_threaded() is _openmp_compiles(tmp_path)
-    if cpu_kernels.kernels_threaded():
-        assert len(cpu_kernels._openmp_runtimes()) == 1  # the kernels share torch's runtime: one thread pool
+    """Threaded exactly when the compiler builds OpenMP and the kernels share torch's runtime (one thread pool);
+    a second runtime mapped beside torch's would mean two pools spinning against each other: single-threaded."""
+    one_runtime = len(cpu_kernels._openmp_runtimes()) == 1
+    assert cpu_kernels.kernels_threaded() is (_openmp_compiles(tmp_path) and one_runtime)
 
 
 # (M, N, K): N from 197 (3 parts of 64+ rows, ragged last group of 1) to 1030; M over the x-row pass tails; K tails
@@ -74,6 +75,19 @@ def test_avx512_bf16_gemm_on_threads_equals_one_thread() -> None:
         torch.testing.assert_close(one.float(), want, rtol=1e-2, atol=5e-2)
         for t in THREADS:
             assert torch.equal(cpu_kernels.gemm_bf16_avx512(x, w, b, num_threads=t), one), (m, n, k, t)
+
+
+@needs_avx512
+def test_avx512_f32_gemm_matches_torch_and_on_threads_equals_one_thread() -> None:
+    g = torch.Generator().manual_seed(2)
+    for m, n, k in [*MATMUL_SHAPES, (6, 260, 16), (8, 775, 15)]:
+        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        one = cpu_kernels.gemm_f32_avx512(x, w, b, num_threads=1)
+        torch.testing.assert_close(one, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        for t in THREADS:
+            assert torch.equal(cpu_kernels.gemm_f32_avx512(x, w, b, num_threads=t), one), (m, n, k, t)
+    with pytest.raises(ValueError, match="gemm_f32_avx512"):
+        cpu_kernels.gemm_f32_avx512(torch.zeros(cpu_kernels.MAX_ROWS + 1, 4), torch.zeros(3, 4), None)
 
 
 @needs_kernel
@@ -113,6 +127,24 @@ def test_prefill_attention_on_threads_equals_one_thread(lq: int, ctx: int, h: in
     torch.testing.assert_close(one.float(), ref, rtol=3e-2, atol=3e-2)
     for t in THREADS:
         assert torch.equal(cpu_kernels.prefill_attn_bf16(q, kb, vb, rows, ctx, num_threads=t), one), t
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rope_on_threads_equal_one_thread(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    for rows, dim in ((48, 576), (37, 385), (3, 64)):  # split (and a ragged last part), and too small to split
+        x, w = torch.randn(rows, dim, generator=g).to(dtype), torch.randn(dim, generator=g).to(dtype)
+        one = cpu_kernels.rmsnorm(x, w, 1e-5, num_threads=1)
+        for t in THREADS:
+            assert torch.equal(cpu_kernels.rmsnorm(x, w, 1e-5, num_threads=t), one), (rows, dim, t)
+    qkv = torch.randn(45, 15 * 64, generator=g).to(dtype)  # 45 tokens x (9 + 2 x 3 heads) x 64, a column slice
+    cos, sin = (torch.randn(45, 1, 64, generator=g).to(dtype) for _ in range(2))
+    x = qkv[:, : 9 * 64].view(45, 9, 64)
+    one = cpu_kernels.rope(x, cos, sin, num_threads=1)
+    assert torch.equal(one, x * cos + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * sin)
+    for t in THREADS:
+        assert torch.equal(cpu_kernels.rope(x, cos, sin, num_threads=t), one), t
 
 
 @needs_kernel

@@ -13,7 +13,10 @@ attention runs bf16 at ~18 GFLOP/s without AMX), for the same CPUs.
 `gemm_bf16_avx512(x, weight, bias)`: the same few-row bf16 matmul with AVX-512 BF16's vdpbf16ps (32 bf16 pairs per
 instruction), for CPUs that have it (AMD Zen 4, Intel Cooper Lake / Sapphire Rapids): 3-7x the AVX2 kernel and
 1.1-3.6x oneDNN's bf16 GEMM from 1 to 64 rows on Zen 4 (`benchmarks/bench_decode_kernels.py`).
-Sources: `csrc/decode_kernels.c` (AVX2 + FMA), `csrc/avx512_bf16.c` (built only where the CPU has AVX-512 BF16).
+`gemm_f32_avx512(x, weight, bias)`: the few-row fp32 matmul on 16-lane FMAs, same layout (1.2-2.1x torch's fp32
+GEMM from 4 to 64 rows on one Zen 4 core, 1.65-3.8x on two).
+Sources: `csrc/decode_kernels.c` (AVX2 + FMA), `csrc/avx512_bf16.c` (the AVX-512 ones, built only where the CPU
+has AVX-512 BF16).
 
 The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
 into `<cache>/kernels/` (once per source version and flags) and loaded with ctypes -- no torch headers, no build
@@ -148,10 +151,10 @@ def _load() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
         fn.restype = ctypes.c_int
     for fn in norms:
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
         fn.restype = ctypes.c_int
     for fn in ropes:
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5  # ..., T, H, D, token stride, nthreads
         fn.restype = ctypes.c_int
     for fn in attns:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
@@ -207,14 +210,16 @@ def _load_avx512() -> ctypes.CDLL | None:
         if dll is None:
             return None
         fn = dll.tetri_gemm_bf16_avx512
+        fn32 = dll.tetri_gemm_f32_avx512
         attn = dll.tetri_prefill_attn_bf16
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("AVX-512 BF16 matmul unavailable (%s %s): the other kernels are used", e,
                     detail.decode(errors="replace")[:500])
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
-    fn.restype = ctypes.c_int
+    for f in (fn, fn32):
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4  # ..., M, N, K, nthreads
+        f.restype = ctypes.c_int
     attn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
                      + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64])
     attn.restype = ctypes.c_int
@@ -248,6 +253,26 @@ def gemm_bf16_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y
 
 
+def gemm_f32_avx512(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    num_threads: int | None = None) -> torch.Tensor:
+    """[M, K] @ [N, K].T (+ [N]) -> [M, N], all fp32 on 16-lane FMAs (only the summation order differs from
+    torch); M <= MAX_ROWS; the weight rows split over up to ``num_threads`` threads (default torch's count;
+    bit-identical for any count). Call only when `avx512_bf16_available()`; contiguous CPU tensors."""
+    dll = _load_avx512()
+    assert dll is not None
+    m, k = x.shape
+    n = weight.shape[0]
+    if (weight.shape[1] != k or (bias is not None and bias.shape != (n,)) or not 0 < m <= MAX_ROWS
+            or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or (bias is not None and bias.dtype != torch.float32)):
+        raise ValueError(f"gemm_f32_avx512: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    y = torch.empty((m, n), dtype=torch.float32)
+    dll.tetri_gemm_f32_avx512(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                              y.data_ptr(), m, n, k, _threads(dll, num_threads))
+    return y
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          num_threads: int | None = None) -> torch.Tensor:
     """[M, K] @ [N, K].T (+ [N]) -> [M, N] on CPU, all bf16 or all fp32; M <= MAX_ROWS; the weight rows split over
@@ -272,9 +297,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int | None = None) -> torch.Tensor:
     """[M, N] -> [M, N], ``weight * rms_norm(x.float(), eps).to(x.dtype)`` (torch's rounding), fp32 or bf16; contiguous
-    CPU tensors of one dtype. Call only when `kernels_available()`."""
+    CPU tensors of one dtype; rows split over up to ``num_threads`` threads when there are enough (bit-identical
+    for any count). Call only when `kernels_available()`."""
     dll = _load()
     assert dll is not None
     if (x.dim() != 2 or weight.shape != (x.shape[1],) or x.dtype != weight.dtype
@@ -282,14 +308,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rmsnorm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty_like(x)
     fn = dll.tetri_rmsnorm_f32 if x.dtype == torch.float32 else dll.tetri_rmsnorm_bf16
-    fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, _threads(dll, num_threads))
     return y
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """Rotate-half RoPE: x [T, H, D] (heads and dims contiguous, any token stride: a column slice of the fused qkv
     projection), cos / sin [T, 1, D] contiguous -> [T, H, D] contiguous, ``x * cos + cat(-x2, x1) * sin`` with torch's
-    per-op rounding (fp32 bit-identical). Call only when `kernels_available()`."""
+    per-op rounding (fp32 bit-identical); (token, head) pairs split over up to ``num_threads`` threads when there
+    are enough (bit-identical for any count). Call only when `kernels_available()`."""
     dll = _load()
     assert dll is not None
     t, h, d = x.shape
@@ -299,7 +326,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rope: x {tuple(x.shape)} strides {x.stride()} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}")
     out = torch.empty((t, h, d), dtype=x.dtype)
     fn = dll.tetri_rope_f32 if x.dtype == torch.float32 else dll.tetri_rope_bf16
-    fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d, x.stride(0))
+    fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d, x.stride(0), _threads(dll, num_threads))
     return out
 
 

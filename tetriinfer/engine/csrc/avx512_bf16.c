@@ -1,6 +1,6 @@
-/* bf16 kernels for CPUs with AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake / Sapphire Rapids), built on vdpbf16ps:
+/* Kernels for CPUs with AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake / Sapphire Rapids), built on vdpbf16ps:
  * tetri_gemm_bf16_avx512 (a few-row matmul for decode batches) and tetri_prefill_attn_bf16 (causal prefill
- * attention, below).
+ * attention, below); and tetri_gemm_f32_avx512, the few-row matmul in fp32 on 16-lane FMAs.
  *
  * Few-row matmul:
  *
@@ -15,7 +15,13 @@
  * GEMM carries ~20 us of fixed cost per call on such CPUs (no AMX). Layout as in the AVX2 kernel: a group of NB <= 4
  * weight rows is read once and applied to every row of x, R <= 6 rows per pass (24 accumulators + 4 weight vectors +
  * one x vector = 29 of the 32 zmm registers), the group stays in L1 between passes. K tails use masked loads
- * (zeros contribute nothing). Single-threaded; only reads its inputs and writes y.
+ * (zeros contribute nothing). Only reads its inputs and writes y.
+ *
+ * Threads: built with -fopenmp (linking libgomp.so.1 by soname, so it shares the OpenMP runtime torch loaded: one
+ * pool of threads, no oversubscription), the matmuls split the weight rows (output features) over the team in whole
+ * groups of 4 and prefill attention deals out its (query head, query block) pairs; each output element is computed
+ * by exactly the code a single thread runs, so every thread count gives bit-identical results. Without OpenMP the
+ * pragmas are ignored and everything runs on the calling thread (tetri_avx512_openmp() says which).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -192,6 +198,110 @@ int tetri_gemm_bf16_avx512(const uint16_t *x, const uint16_t *w, const uint16_t 
         int64_t lo, hi;
         split_range(N, 4, team_size(), team_id(), &lo, &hi);
         gemm_cols(x, w, bias, y, M, N, K, lo, hi);
+    }
+    return 0;
+}
+
+/* ---- few-row fp32 matmul --------------------------------------------------------------------------------------
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k] + bias[n], all fp32 (x [M, K], w [N, K], bias [N] or NULL, y [M, N]). The same
+ * layout as the bf16 matmul above with 16-lane fp32 FMAs: a group of 4 weight rows is read once and applied to every
+ * row of x, TR rows per pass (24 accumulators + 4 weight vectors + one x vector), masked K tails. Why: torch's fp32
+ * GEMM with few rows reaches a fraction of the read bandwidth, and the AVX2 kernel's 8-lane FMAs lose to it from 16
+ * rows on AVX-512 CPUs. Weight rows split over the threads in groups of 4, as above: bit-identical at any count. */
+static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, const float *bias,
+                                                            float *y, int64_t N, int64_t K, int NB, int R,
+                                                            const char *pf) {
+    __m512 acc[TR][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
+        if (pf)
+            for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * 4, _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_loadu_ps(x + r * K + k);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
+        }
+    }
+    if (k < K) {
+        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + k);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + k);
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
+        }
+    }
+    float bf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (bias)
+        for (int j = 0; j < NB; j++) bf[j] = bias[j];
+    __m128 b = _mm_loadu_ps(bf);
+    for (int r = 0; r < R; r++) {
+        __m128 v = _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b);
+        if (NB == 4) {
+            _mm_storeu_ps(y + r * N, v);
+        } else {
+            float t[4];
+            _mm_storeu_ps(t, v);
+            memcpy(y + r * N, t, (size_t)NB * 4);
+        }
+    }
+}
+
+#define TILE_F32(nb, r) tile_f32(xr, wr, br, yr, N, K, nb, r, pf)
+static inline __attribute__((always_inline)) void tile_any_f32(const float *xr, const float *wr, const float *br,
+                                                                float *yr, int64_t N, int64_t K, int NB, int R,
+                                                                const char *pf) {
+    if (NB == 4) {
+        switch (R) {
+            case 1: TILE_F32(4, 1); break;
+            case 2: TILE_F32(4, 2); break;
+            case 3: TILE_F32(4, 3); break;
+            case 4: TILE_F32(4, 4); break;
+            case 5: TILE_F32(4, 5); break;
+            default: TILE_F32(4, 6); break;
+        }
+    } else { /* the last, partial weight group (N % 4 rows): one x row at a time */
+        for (int r = 0; r < R; r++) {
+            if (NB == 1) tile_f32(xr + r * K, wr, br, yr + r * N, N, K, 1, 1, NULL);
+            else if (NB == 2) tile_f32(xr + r * K, wr, br, yr + r * N, N, K, 2, 1, NULL);
+            else tile_f32(xr + r * K, wr, br, yr + r * N, N, K, 3, 1, NULL);
+        }
+    }
+}
+
+static void gemm_cols_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                          int64_t K, int64_t lo, int64_t hi) {
+    int64_t passes = (M + TR - 1) / TR;
+    for (int64_t n0 = lo; n0 < hi; n0 += 4) {
+        int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;
+        const float *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
+        for (int64_t p = 0, m0 = 0; p < passes; p++) {
+            int R = (int)(M / passes + (p < M % passes));
+            const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
+            tile_any_f32(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
+            m0 += R;
+        }
+    }
+}
+
+/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all fp32; up to nthreads threads. Returns 0. */
+int tetri_gemm_f32_avx512(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                          int64_t K, int64_t nthreads) {
+    int64_t most = N / MIN_ROWS_PER_THREAD;
+    int nt = (int)(nthreads < most ? nthreads : most);
+    if (nt <= 1) {
+        gemm_cols_f32(x, w, bias, y, M, N, K, 0, N);
+        return 0;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi;
+        split_range(N, 4, team_size(), team_id(), &lo, &hi);
+        gemm_cols_f32(x, w, bias, y, M, N, K, lo, hi);
     }
     return 0;
 }

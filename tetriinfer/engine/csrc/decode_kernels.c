@@ -450,10 +450,10 @@ int tetri_decode_attn_f32(const float *q, const float *k_cache, const float *v_c
 /* RMSNorm of M rows of N (fp32 or bf16, as torch computes `w * rms_norm(x.float()).to(dtype)`):
  * t = x * 1/sqrt(mean(x^2) + eps) in fp32, rounded to the dtype, then y = w * t rounded to the dtype.
  * Only the order of the sum of squares differs from torch. Returns 0. */
-static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, const void *w, void *y, int64_t M,
-                                                                int64_t N, float eps, int F32) {
+static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, const void *w, void *y, int64_t lo,
+                                                                int64_t hi, int64_t N, float eps, int F32) {
     int64_t esz = F32 ? 4 : 2;
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = lo; m < hi; m++) {
         const char *xr = (const char *)x + m * N * esz;
         __m256 acc = _mm256_setzero_ps();
         int64_t k = 0;
@@ -476,13 +476,29 @@ static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, co
     }
 }
 
-int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps) {
-    rmsnorm_rows(x, w, y, M, N, eps, 1);
+/* Elements per thread below which the small per-token ops (RMSNorm, RoPE) are not split. */
+#define MIN_ELEMS_PER_THREAD 4096
+
+int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps, int64_t nthreads) {
+    int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        rmsnorm_rows(x, w, y, lo, hi, N, eps, 1);
+    }
     return 0;
 }
 
-int tetri_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, float eps) {
-    rmsnorm_rows(x, w, y, M, N, eps, 0);
+int tetri_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, float eps,
+                       int64_t nthreads) {
+    int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        rmsnorm_rows(x, w, y, lo, hi, N, eps, 0);
+    }
     return 0;
 }
 
@@ -495,34 +511,83 @@ static inline __attribute__((always_inline)) float rnd(float v, int F32) {
     return F32 ? v : bf16_to_f32(f32_to_bf16(v));
 }
 
+/* 8 lanes rounded to bf16 and back (round to nearest even, as f32_to_bf16; NaN stays a quiet NaN). */
+static inline __m256 rnd8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)),
+                                   _mm256_set1_epi32((int)0xffff0000u));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))));
+}
+
+static inline __attribute__((always_inline)) __m256 rnd8(__m256 v, int F32) { return F32 ? v : rnd8_bf16(v); }
+
+static inline __attribute__((always_inline)) void store8(void *p, int64_t i, __m256 v, int F32) {
+    if (F32) {
+        _mm256_storeu_ps((float *)p + i, v);
+    } else { /* v holds bf16 values already (rounded): the high halves of its lanes */
+        __m256i h = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
+    }
+}
+
 static inline __attribute__((always_inline)) void rope_rows(const void *x, const void *cs, const void *sn, void *out,
-                                                             int64_t T, int64_t H, int64_t D, int64_t xs, int F32) {
+                                                             int64_t lo, int64_t hi, int64_t H, int64_t D,
+                                                             int64_t xs, int F32) {
     int64_t half = D / 2;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) {
-            int64_t xi = t * xs + h * D, oi = (t * H + h) * D, ci = t * D;
-            for (int64_t d = 0; d < D; d++) {
-                float xv = kv1(x, xi + d, F32);
-                float rot = d < half ? -kv1(x, xi + d + half, F32) : kv1(x, xi + d - half, F32);
-                volatile float a = rnd(xv * kv1(cs, ci + d, F32), F32);  /* volatile: never contracted to an FMA */
-                volatile float b = rnd(rot * kv1(sn, ci + d, F32), F32);
-                float o = rnd(a + b, F32);
-                if (F32)
-                    ((float *)out)[oi + d] = o;
-                else
-                    ((uint16_t *)out)[oi + d] = f32_to_bf16(o);
+    for (int64_t it = lo; it < hi; it++) { /* (token, head) pairs */
+        int64_t t = it / H, h = it % H;
+        int64_t xi = t * xs + h * D, oi = (t * H + h) * D, ci = t * D;
+        int64_t d0 = 0;
+        if (half % 8 == 0) /* 8 lanes of each half at a time: the same products, roundings and sums as below */
+            for (; d0 < half; d0 += 8) {
+                __m256 x1 = kv8(x, xi + d0, F32), x2 = kv8(x, xi + d0 + half, F32);
+                __m256 c1 = kv8(cs, ci + d0, F32), c2 = kv8(cs, ci + d0 + half, F32);
+                __m256 s1 = kv8(sn, ci + d0, F32), s2 = kv8(sn, ci + d0 + half, F32);
+                __m256 neg = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
+                __m256 lo8 = rnd8(_mm256_add_ps(rnd8(_mm256_mul_ps(x1, c1), F32), rnd8(_mm256_mul_ps(neg, s1), F32)), F32);
+                __m256 hi8 = rnd8(_mm256_add_ps(rnd8(_mm256_mul_ps(x2, c2), F32), rnd8(_mm256_mul_ps(x1, s2), F32)), F32);
+                store8(out, oi + d0, lo8, F32);
+                store8(out, oi + d0 + half, hi8, F32);
             }
+        if (d0 == half && half > 0) continue;
+        for (int64_t d = 0; d < D; d++) {
+            float xv = kv1(x, xi + d, F32);
+            float rot = d < half ? -kv1(x, xi + d + half, F32) : kv1(x, xi + d - half, F32);
+            volatile float a = rnd(xv * kv1(cs, ci + d, F32), F32);  /* volatile: never contracted to an FMA */
+            volatile float b = rnd(rot * kv1(sn, ci + d, F32), F32);
+            float o = rnd(a + b, F32);
+            if (F32)
+                ((float *)out)[oi + d] = o;
+            else
+                ((uint16_t *)out)[oi + d] = f32_to_bf16(o);
         }
+    }
 }
 
 int tetri_rope_f32(const float *x, const float *cs, const float *sn, float *out, int64_t T, int64_t H, int64_t D,
-                   int64_t xs) {
-    rope_rows(x, cs, sn, out, T, H, D, xs, 1);
+                   int64_t xs, int64_t nthreads) {
+    int nt = team_for(nthreads, T * H * D, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(T * H, 1, team_size(), team_id(), &lo, &hi);
+        rope_rows(x, cs, sn, out, lo, hi, H, D, xs, 1);
+    }
     return 0;
 }
 
 int tetri_rope_bf16(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *out, int64_t T, int64_t H,
-                    int64_t D, int64_t xs) {
-    rope_rows(x, cs, sn, out, T, H, D, xs, 0);
+                    int64_t D, int64_t xs, int64_t nthreads) {
+    int nt = team_for(nthreads, T * H * D, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(T * H, 1, team_size(), team_id(), &lo, &hi);
+        rope_rows(x, cs, sn, out, lo, hi, H, D, xs, 0);
+    }
     return 0;
 }

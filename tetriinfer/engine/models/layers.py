@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetriinfer.engine import cpu_kernels
-from tetriinfer.engine.cpu_info import cpu_has_amx, cpu_has_native
+from tetriinfer.engine.cpu_info import cpu_flags, cpu_has_amx, cpu_has_native
 from tetriinfer.engine.cpu_kernels import (
     MAX_ROWS,
     avx512_bf16_available,
     gemm_bf16_avx512,
+    gemm_f32_avx512,
     gemv,
     kernels_available,
     kernels_threaded,
@@ -23,15 +24,27 @@ from tetriinfer.engine.cpu_kernels import (
 # the weights once in bf16 beats converting them to fp32 first.
 UPCAST_MIN_ROWS = 16
 # fp32 matmuls of at most this many rows (decode batches) go to the native kernel: it reads the weights once at
-# the memory bandwidth for the whole batch; past ~48 rows torch's blocked GEMM catches up (measured at parity at 64).
+# the memory bandwidth for the whole batch; past ~48 rows torch's blocked GEMM catches up (measured at parity at 64
+# on an AVX2 CPU).
 GEMV_F32_MAX_ROWS = 48
+# On AVX-512 CPUs torch's fp32 GEMM runs 16-lane FMAs while the native fp32 kernel runs 8-lane ones: measured on
+# Zen 4 (SmolLM2-135M's four decoder matmuls, one thread), the kernel took 0.92 / 0.72 / 0.88x torch's time at
+# 1 / 4 / 8 rows and 1.03 / 1.08 / 1.10 / 1.56x at 16 / 32 / 48 / 64 rows, so it keeps the fewest rows only.
+GEMV_F32_MAX_ROWS_AVX512 = 8
+# Where the AVX-512 kernels are built, fp32 matmuls of 2 to this many rows take the 16-lane fp32 kernel instead (one
+# row keeps the AVX2 kernel's single linear weight stream, 9% faster there): on Zen 4, SmolLM2-135M's four decoder
+# matmuls ran 2.1 / 1.6 / 1.4 / 1.3 / 1.2 / 1.2x faster than torch at 4 / 8 / 16 / 32 / 48 / 64 rows on one thread
+# and 3.8 / 2.3 / 1.9 / 1.7 / 1.65 / 1.7x on two.
+GEMM_F32_AVX512_MAX_ROWS = 64
 # On CPUs with bf16 instructions but no AMX (AVX-512 BF16, e.g. AMD Zen 4), bf16 matmuls of at most this many rows
 # use the native kernel too; from ~8 rows oneDNN's native bf16 GEMM wins (measured on Zen 4: whole decode steps of
 # the tiny llama at batch 1/4/8/16 were fastest with 4).
 GEMV_BF16_NATIVE_CPU_MAX_ROWS = 4
 # Where the AVX-512 BF16 matmul (vdpbf16ps) is built, bf16 matmuls of at most this many rows take it instead (CPUs
 # without AMX): on Zen 4 it ran the tiny llama's decode matmuls 3.3-3.6x faster than oneDNN at 1-8 rows, 2.3x at 16,
-# 1.13x at 64 and at parity at 96 (one core, benchmarks/bench_decode_kernels.py has the whole steps).
+# 1.13x at 64 and at parity at 96 (one core, benchmarks/bench_decode_kernels.py has the whole steps). Split over
+# two threads it kept its lead: SmolLM2-135M's four decoder matmuls ran 1.56 / 1.57 / 1.45x faster than oneDNN's
+# two-thread GEMM at 32 / 48 / 64 rows (2.3 / 1.4 / 1.2x at 1 / 16 / 64 rows on one thread).
 GEMM_BF16_AVX512_MAX_ROWS = 64
 # On CPUs with AMX, oneDNN's bf16 GEMM runs on the tiles with ~57 us of fixed cost per call and almost no cost per
 # row up to 16 rows; the AVX-512 BF16 kernel still wins below that: on a Sapphire Rapids core, the tiny llama's 33
@@ -62,7 +75,8 @@ class Linear(nn.Linear):
     reduced-precision matmuls of >= UPCAST_MIN_ROWS rows in fp32 (AVX2: torch's bf16 GEMM runs ~5x slower than
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
     `tetriinfer.engine.cpu_kernels` when it is available (see `native_ok`); fp32 matmuls of at
-    most GEMV_F32_MAX_ROWS rows (decode batches) use the fp32 kernel under the same conditions; on CPUs with bf16
+    most `f32_native_matmul_max_rows()` rows (decode batches) use a native fp32 kernel under the same conditions
+    (AVX-512 from two rows where it is built, else AVX2); on CPUs with bf16
     instructions, bf16 matmuls of at most `bf16_native_matmul_max_rows()` rows take the AVX-512 BF16 kernel (where
     it is built; fewer rows on AMX CPUs), else the AVX2 one (not on AMX CPUs). Same arithmetic as
     torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
@@ -71,7 +85,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if x.device.type == "cpu" and x.dim() == 2:
             if x.dtype == torch.float32:
-                if x.shape[0] <= GEMV_F32_MAX_ROWS and use_gemv(x, self.weight):
+                rows = x.shape[0]
+                if rows <= f32_native_matmul_max_rows() and use_gemv(x, self.weight):
+                    if rows > 1 and avx512_bf16_available():
+                        return gemm_f32_avx512(x.contiguous(), self.weight, self.bias)
                     return gemv(x.contiguous(), self.weight, self.bias)
             elif not cpu_has_native(x.dtype):
                 if x.shape[0] >= UPCAST_MIN_ROWS:
@@ -85,6 +102,19 @@ class Linear(nn.Linear):
                     return gemm_bf16_avx512(x.contiguous(), self.weight, self.bias)
                 return gemv(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def f32_native_matmul_max_rows() -> int:
+    """The most rows an fp32 matmul may have to take a native kernel: GEMM_F32_AVX512_MAX_ROWS where the AVX-512
+    kernels are built, else `gemv_f32_max_rows()` (the AVX2 kernel)."""
+    return GEMM_F32_AVX512_MAX_ROWS if avx512_bf16_available() else gemv_f32_max_rows()
+
+
+def gemv_f32_max_rows() -> int:
+    """The most rows an fp32 matmul may have to take the native kernel: fewer on AVX-512 CPUs, where torch's GEMM
+    is twice as wide (a shape threshold per instruction set, the same at every thread count: both sides split
+    their work over the engine's threads)."""
+    return GEMV_F32_MAX_ROWS_AVX512 if "avx512f" in cpu_flags() else GEMV_F32_MAX_ROWS
 
 
 def bf16_native_matmul_max_rows() -> int:
