@@ -658,6 +658,10 @@ class ClusterEngineClient:
         abort the old attempt. Ends the stream with an error only when no live instance can take it."""
         if stream.finished or stream.recovering or stream.original is None:
             return
+        if len(stream.streamed) >= stream.original.params.max_tokens:  # every token arrived, only its end was lost
+            self._finish_stream(stream, "length")
+            self._tasks.append(asyncio.create_task(self._broadcast_aborts([stream.engine_id])))
+            return
         old = stream.engine_id
         stream.recovering = True
         stream.attempt += 1
