@@ -14,7 +14,7 @@ from tetriinfer.runtime.inprocess import InProcessEngineClient
 from tetriinfer.server.app import build_app
 from tetriinfer.server.limits import ServerLimits
 
-CASES = 240
+CASES = 200
 
 
 def test_fuzzed_requests_never_get_a_5xx(tiny_llama: Path) -> None:
