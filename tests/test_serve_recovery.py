@@ -103,6 +103,7 @@ def test_killed_decode_then_prefill_instance_streams_continue_unchanged(tiny_lla
         assert all(v["kv_blocks_used"] == 0 for v in live.values()), live
         assert srv.cluster()["recovered"] > recovered
         assert srv.cluster()["requests_in_flight"] == 0
+        assert srv.cluster()["dropped_control_frames"] == 0  # every instance's frames carried a valid tag
         assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
         assert _run_with_kill(srv, model, range(2), None, "running") == baseline[:2]  # new requests succeed
 
