@@ -121,7 +121,8 @@ def _live(info: dict) -> list[dict]:
 
 async def soak(srv: ServeProcess, args: argparse.Namespace, t: Tally) -> None:
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.burst + args.workers + 8)
+    # idle connections expire before the server's keep-alive timeout (5 s), so none is reused while it closes
+    limits = httpx.Limits(max_connections=args.burst + args.workers + 8, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 30, limits=limits) as client:
         model = (await client.get(f"{srv.base_url}/v1/models")).json()["data"][0]["id"]
         end = time.monotonic() + 60 * args.minutes

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-WEIGHTS = {"/v1/completions": 4, "/v1/chat/completions": 4}
+WEIGHTS = {"/v1/completions": 6, "/v1/chat/completions": 6}
 
 
 @dataclass
@@ -32,12 +32,15 @@ def fuzz(base_url: str, schema_dict: dict[str, Any], cases: int, seed: int = 0,
     ops = [r.ok() for r in schema.get_all_operations()]
     total_weight = sum(WEIGHTS.get(op.path, 1) for op in ops) * 2  # positive and negative
     report = FuzzReport()
-    for op in ops:
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            n = max(1, round(cases * WEIGHTS.get(op.path, 1) / total_weight))
-            name = f"{op.method.upper()} {op.path} ({mode.value})"
-
-            _run_operation(op, mode, name, n, seed, base_url, report, progress)
+    for attempt in range(8):  # operations with little to vary (no parameters) run out early: pass again, reseeded
+        left = cases - report.cases
+        if left <= 0:
+            break
+        for op in ops:
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                n = max(1, round(left * WEIGHTS.get(op.path, 1) / total_weight))
+                name = f"{op.method.upper()} {op.path} ({mode.value})"
+                _run_operation(op, mode, name, n, seed + attempt, base_url, report, progress)
     return report
 
 

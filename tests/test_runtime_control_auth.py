@@ -45,3 +45,10 @@ def test_continuation_carries_streamed_tokens_and_what_is_left() -> None:
     assert nxt.params.stop_token_ids == [7] and nxt.params.seed == 3
     with pytest.raises(ValueError, match="no output budget"):
         continuation(first, 1, list(range(10)))
+
+
+def test_kv_region_names_cannot_be_guessed_from_the_request_id() -> None:
+    from tetriinfer.runtime.prefill_worker import _region_id
+
+    a, b = _region_id("cmpl-1"), _region_id("cmpl-1")
+    assert a != b and a.startswith("cmpl-1#kv.") and len(a) - len("cmpl-1#kv.") == 16

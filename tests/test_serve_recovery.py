@@ -19,8 +19,8 @@ import zmq
 from tests.serve_helpers import ServeProcess
 from tetriinfer.runtime import messages as m
 
-STREAMS = 16
-MAX_TOKENS = 40
+STREAMS = 12
+MAX_TOKENS = 32
 
 
 def _prompt(i: int) -> str:
@@ -62,7 +62,7 @@ def _run_with_kill(srv: ServeProcess, model: str, ids: range, victim: str | None
                 while time.monotonic() < deadline:
                     info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
                     inst = {i["id"]: i for i in info["instances"]}[victim]
-                    if inst[ready] >= 2:
+                    if inst[ready] >= 1 and info["requests_in_flight"] >= len(ids) // 2:
                         break
                     await asyncio.sleep(0.02)
                 os.kill(inst["pid"], signal.SIGKILL)
@@ -103,6 +103,7 @@ def test_killed_decode_then_prefill_instance_streams_continue_unchanged(tiny_lla
         assert all(v["kv_blocks_used"] == 0 for v in live.values()), live
         assert srv.cluster()["recovered"] > recovered
         assert srv.cluster()["requests_in_flight"] == 0
+        assert srv.cluster()["dropped_control_frames"] == 0  # every instance's frames carried a valid tag
         assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
         assert _run_with_kill(srv, model, range(2), None, "running") == baseline[:2]  # new requests succeed
 

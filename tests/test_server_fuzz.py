@@ -14,7 +14,7 @@ from tetriinfer.runtime.inprocess import InProcessEngineClient
 from tetriinfer.server.app import build_app
 from tetriinfer.server.limits import ServerLimits
 
-CASES = 240
+CASES = 200
 
 
 def test_fuzzed_requests_never_get_a_5xx(tiny_llama: Path) -> None:
@@ -23,7 +23,7 @@ def test_fuzzed_requests_never_get_a_5xx(tiny_llama: Path) -> None:
     with ServerThread(app) as srv:
         report = fuzz(srv.url, app.openapi(), CASES, seed=1234)
         assert report.server_errors == [], report.server_errors[:5]
-        assert report.cases >= CASES // 2, report.by_operation
+        assert report.cases >= CASES, report.by_operation
         assert sum(n for code, n in report.by_status.items() if 400 <= code < 500) > 0  # the negatives were refused
         assert sum(n for code, n in report.by_status.items() if code == 200) > 0  # and valid ones served
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200

@@ -158,6 +158,7 @@ class ClusterEngineClient:
         self.streams: dict[str, _Stream] = {}
         self._by_engine_id: dict[str, _Stream] = {}  # the current attempt's engine id -> its stream
         self.num_recovered = 0  # requests sent again after an instance holding them died
+        self.num_dropped_frames = 0  # control frames that failed authentication or parsing
         self.policy = GlobalPolicy(LocalPrefillConfig(
             enabled=config.local_prefill and config.disaggregated, interference_weight=config.local_prefill_weight,
         ), config.prefix_affinity())
@@ -657,6 +658,10 @@ class ClusterEngineClient:
         abort the old attempt. Ends the stream with an error only when no live instance can take it."""
         if stream.finished or stream.recovering or stream.original is None:
             return
+        if len(stream.streamed) >= stream.original.params.max_tokens:  # every token arrived, only its end was lost
+            self._finish_stream(stream, "length")
+            self._tasks.append(asyncio.create_task(self._broadcast_aborts([stream.engine_id])))
+            return
         old = stream.engine_id
         stream.recovering = True
         stream.attempt += 1
@@ -752,7 +757,8 @@ class ClusterEngineClient:
             data = await self._pull.recv()
             try:
                 msg = decode(data)
-            except Exception:  # noqa: BLE001 - a malformed frame is dropped, never unpickled
+            except Exception:  # noqa: BLE001 - an unauthenticated or malformed frame is dropped, never unpickled
+                self.num_dropped_frames += 1
                 continue
             if isinstance(msg, Tokens):
                 self._on_tokens(msg)
@@ -1045,5 +1051,6 @@ class ClusterEngineClient:
                                      for role, (n, total) in self.ttft_by_prefill_role.items()},
             "requests_in_flight": sum(1 for s in self.streams.values() if not s.finished),
             "recovered": self.num_recovered,
+            "dropped_control_frames": self.num_dropped_frames,
         }
 

@@ -470,6 +470,8 @@ class _Server:
         runs = []
         total = 0
         for i, p in enumerate(prompts):
+            if i:
+                await asyncio.sleep(0)  # let other requests (and /health) run between prompts
             ids = self.tokenize(p)
             total += len(ids)
             self.check_prompt_tokens(total)
