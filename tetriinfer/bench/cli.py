@@ -307,12 +307,9 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         save,
         write_plots,
     )
+    from tetriinfer.engine.make_model import resolve_model
 
-    model = args.model
-    if model is None:
-        from tetriinfer.engine.make_model import default_model_path
-
-        model = str(default_model_path())
+    model = resolve_model(args.model)
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model folder {model!r} does not exist")
     client_cores = args.client_cores or []
@@ -384,7 +381,7 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "each), run every workload, read resource usage from /cluster, stop it. Writes the paper-style "
         "table (TTFT, JCT, resource, perf/$ vs colocated). See tetriinfer/bench/side_by_side.py.",
     )
-    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
+    p.add_argument("--model", default=None, help="HF model folder or name (default: smollm2-135m-instruct; tiny-llama: seeded random)")
     p.add_argument("--workloads", default=",".join(CLASS_NAMES),
                    help="comma-separated: lpld,lphd,hpld,hphd,mixed and/or trace:FILE")
     p.add_argument("--modes", default="tetriinfer,colocated,sarathi,distserve",

@@ -41,10 +41,9 @@ class LLM:
         pad_last_chunk: bool = True,
         enable_prefix_caching: bool = False,
     ) -> None:
-        if model is None:
-            from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import resolve_model
 
-            model = str(default_model_path())
+        model = resolve_model(None if model is None else str(model))  # None: the real default model
         self.config = EngineConfig(
             model=str(model),
             dtype=dtype,

@@ -11,7 +11,7 @@ from tetriinfer.runtime.cluster_config import MODES
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama, made on first use)")
+    p.add_argument("--model", default=None, help="HF model folder, or a name: smollm2-135m-instruct (the default, converted on first use) or tiny-llama (seeded random weights)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -210,11 +210,9 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
 
 
 def build_client(args: argparse.Namespace) -> Any:
-    model = args.model
-    if model is None:
-        from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.engine.make_model import resolve_model
 
-        model = str(default_model_path())
+    model = resolve_model(args.model)  # None: the real default model; "tiny-llama": the seeded test model
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model folder {model!r} does not exist")
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
