@@ -103,6 +103,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="trace the classes resample lengths from: azure (default), mooncake, sample, or a path",
     )
+    g.add_argument("--output-lengths", choices=("fixed", "natural"), default="fixed",
+                   help="fixed: each answer has exactly the workload's output length (ignore_eos); natural: answers "
+                   "end at the model's EOS and the workload's length is only the max_tokens cap")
+    g.add_argument("--output-cap", type=int, default=1024,
+                   help="alpaca[:FILE] workload (real AlpacaEval prompts, chat-rendered): max_tokens of each request")
 
 
 def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -136,6 +141,8 @@ def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_context=args.max_context,
         length_source=args.length_source,
         length_scale=args.length_scale,
+        tokenizer=getattr(args, "tokenizer", None),
+        output_cap=args.output_cap,
     )
 
 
@@ -217,6 +224,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         transport=args.client_transport,
         rt_priority=args.client_rt_priority,
         cores=parse_cores(args.client_cores) if args.client_cores is not None else None,
+        output_lengths=args.output_lengths,
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)
@@ -337,6 +345,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         burstiness_cv=args.burstiness_cv,
         length_source=args.length_source,
         length_scale=args.length_scale,
+        output_lengths=args.output_lengths, output_cap=args.output_cap,
         seed=args.seed,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e),
         request_timeout_s=args.request_timeout,
@@ -415,6 +424,9 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--prefill-instances", type=int, default=None,
                    help="prefill instances in disaggregated modes (default: half)")
     p.add_argument("--max-prompt-tokens", type=int, default=1536)
+    p.add_argument("--output-lengths", choices=("fixed", "natural"), default="fixed",
+                   help="natural: answers end at EOS (no ignore_eos); the workload's output length is only a cap")
+    p.add_argument("--output-cap", type=int, default=1024, help="alpaca[:FILE] workload: max_tokens of each request")
     p.add_argument("--max-output-tokens", type=int, default=384)
     p.add_argument("--max-context", type=int, default=None,
                    help="reject prompt+output over this (default: the server's max_model_len)")
