@@ -283,3 +283,31 @@ def test_real_model_greedy_chat_equals_transformers(smollm2: Path) -> None:
     got_ids = [list(o.outputs[0].token_ids) for o in got]
     assert got_ids == expected
     assert "Paris" in tok.decode(got_ids[0])
+
+
+def test_default_model_is_the_real_one_converted_once_into_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tetriinfer.engine import make_model as mm
+
+    calls: list[tuple[str, Path, str]] = []
+
+    def fake_convert(source: str, out: Path, dtype: str = "float32", **_: object) -> Path:
+        calls.append((source, Path(out), dtype))
+        Path(out).mkdir(parents=True)
+        for name in gc.CONVERTED_FILES:
+            (Path(out) / name).write_text("{}")
+        return Path(out)
+
+    monkeypatch.setattr(gc, "convert_gguf", fake_convert)
+    monkeypatch.setattr(mm, "tiny_model_path", lambda cache=None: tmp_path / "tiny")
+    monkeypatch.setenv("TETRIINFER_CACHE", str(tmp_path / "cache"))
+    want = (tmp_path / "cache" / "models" / "smollm2-135m-instruct").absolute()
+    assert mm.default_model_path() == want
+    assert mm.resolve_model(None) == mm.resolve_model("smollm2-135m-instruct") == str(want)
+    assert calls == [("smollm2-135m-instruct", want, "float32")]  # made once, then reused
+    assert mm.resolve_model("tiny-llama") == str(tmp_path / "tiny")
+    assert mm.resolve_model(str(tmp_path)) == str(tmp_path)  # a folder is itself
+    (want / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="not a complete model"):  # never silently replaced
+        mm.default_model_path()
