@@ -172,6 +172,12 @@ def test_every_generation_config_eos_id_ends_the_answer(smollm2: Path, tmp_path:
         r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": CAPITAL}], max_tokens=10,
                                         temperature=0, extra_body={"ignore_eos": True})
         assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 10)
+    from tetriinfer import LLM, SamplingParams
+
+    out = LLM(model=str(folder), **ENGINE_KW).generate(  # the offline API stops there too
+        [{"prompt_token_ids": chat_ids(tok, [{"role": "user", "content": CAPITAL}])}],
+        SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
+    assert (out.text, out.finish_reason, len(out.token_ids)) == ("The capital of France is Paris.", "stop", 8)
 
 
 def test_served_answers_equal_transformers_in_colocated_and_disaggregated_modes(
