@@ -259,10 +259,11 @@ def read_llama_weights(reader: GGUFReader, hyper: LlamaHyper) -> dict[str, np.nd
     """HF-named float32 arrays for every tensor of the file (q/k unpermuted)."""
     import numpy as np
     from gguf.quants import dequantize
+    from tqdm.auto import tqdm
 
     check_tensor_types(reader)
     out: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc="dequantize GGUF", unit="tensor", leave=False):
         name = _hf_name(tensor.name, hyper.layers)
         if name in out:
             raise GGUFError(f"tensor {tensor.name!r} appears twice in the GGUF file")

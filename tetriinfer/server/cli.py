@@ -80,7 +80,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    choices=["length-aware", "random", "round-robin", "least-loaded", "imbalanced"])
     p.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
     p.add_argument("--heavy-decode-tokens", type=int, default=128)
-    p.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
+    p.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's lengths) | a predictor folder")
     p.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
     p.add_argument("--kv-backend", default="tcp", help="tcp | shm | torchdist | nixl | faulty[:tcp|shm|torchdist]")
     p.add_argument("--kv-transfer", default="request", choices=["request", "chunk"],
@@ -185,7 +185,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
-        decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=args.predictor,
+        decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=_predictor_spec(args.predictor),
         predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, kv_handoff=args.kv_handoff,
         link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
@@ -207,6 +207,15 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         migrate_max_per_move=args.migrate_max_per_move,
         fault_drop_p=args.fault_drop_p, fault_delay_p=args.fault_delay_p, fault_corrupt_p=args.fault_corrupt_p,
     )
+
+
+def _predictor_spec(spec: str) -> str:
+    """``default``: the predictor trained on the default model's own lengths (made on first use)."""
+    if spec != "default":
+        return spec
+    from tetriinfer.predictor.default import default_predictor_path
+
+    return str(default_predictor_path())
 
 
 def build_client(args: argparse.Namespace) -> Any:
