@@ -43,6 +43,9 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--granularities", type=int, nargs="+", default=[100, 200])
     ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--train-layers", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--select", choices=("loss", "accuracy"), default="loss")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -68,7 +71,8 @@ def main() -> int:
         ds_dir = ds.save(work / f"dataset_s{seed}")
         t0 = time.perf_counter()
         train_predictor(ds, work / f"predictor_s{seed}",
-                        config=TrainConfig(epochs=a.epochs, num_threads=1, max_length=128, seed=0))
+                        config=TrainConfig(epochs=a.epochs, num_threads=1, max_length=128, seed=0,
+                                           train_layers=a.train_layers, lr=a.lr, select=a.select))
         train_s = time.perf_counter() - t0
         report = evaluate_predictor(work / f"predictor_s{seed}", ds_dir, granularities=a.granularities)
         runs.append({"seed": seed, "train_s": train_s, "report": report})
@@ -90,7 +94,9 @@ def main() -> int:
         table.append(f"| {g} | " + " | ".join(cells) + f" | {', '.join(map(str, ns))} |")
     print("\n".join(table))
     if a.out:
-        Path(a.out).write_text(json.dumps({"prompts": n, "seeds": a.seeds, "summary": summary, "runs": runs},
+        train = {"epochs": a.epochs, "train_layers": a.train_layers, "lr": a.lr, "select": a.select}
+        Path(a.out).write_text(json.dumps({"prompts": n, "seeds": a.seeds, "train": train, "summary": summary,
+                                           "runs": runs},
                                           indent=1) + "\n", encoding="utf-8")
         print(f"written to {a.out}")
     return 0
