@@ -56,9 +56,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model is None:
-        from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import tiny_model_path
 
-        args.model = str(default_model_path())
+        args.model = str(tiny_model_path())
     phases = parse_rate_profile(args.profile)
     wl = stepped_workload("mixed", phases, args.seed, max_prompt_tokens=1024, max_output_tokens=192)
     common = ["--cores-per-instance", "1", "--kv-cache-memory-gb", "0.25"]

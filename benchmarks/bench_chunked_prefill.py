@@ -24,7 +24,7 @@ from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind
 from tetriinfer.engine.cpu_info import isa_summary
 from tetriinfer.engine.engine_config import EngineConfig
 from tetriinfer.engine.llm_engine import build_runner
-from tetriinfer.engine.make_model import default_model_path
+from tetriinfer.engine.make_model import tiny_model_path
 
 
 def prefill_seconds(runner, kv, n: int, chunk: int) -> float:  # noqa: ANN001 (engine parts)
@@ -54,7 +54,7 @@ def main() -> int:
     torch.set_num_threads(1)
     lengths = [int(x) for x in a.lengths.split(",")]
     chunks = [int(x) for x in a.chunks.split(",")]
-    model = a.model or str(default_model_path())
+    model = a.model or str(tiny_model_path())
     rows: list[str] = []
     cases = [(d, n, c) for d in a.dtypes.split(",") for n in lengths for c in chunks if c < n]
     bar = tqdm(total=len(cases), desc="chunked prefill")

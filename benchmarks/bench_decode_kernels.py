@@ -83,7 +83,7 @@ def run_child(model: str, dtype: str, ctx: int, repeats: int, batches: str, sett
 def main() -> int:
     from tetriinfer.engine.cpu_info import isa_summary
     from tetriinfer.engine.cpu_kernels import avx512_bf16_available, kernels_available
-    from tetriinfer.engine.make_model import cache_dir, default_model_path, make_model
+    from tetriinfer.engine.make_model import cache_dir, make_model, tiny_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=600)
@@ -106,8 +106,8 @@ def main() -> int:
     small = cache_dir() / "models" / "small-llama"
     if not (small / "config.json").exists():
         make_model("llama", "small", small, seed=0)
-    cases = [("tiny-llama", str(default_model_path()), "float32", "1,4,8,16,64"),
-             ("tiny-llama", str(default_model_path()), "bfloat16", "1,4,8,16,32,64"),
+    cases = [("tiny-llama", str(tiny_model_path()), "float32", "1,4,8,16,64"),
+             ("tiny-llama", str(tiny_model_path()), "bfloat16", "1,4,8,16,32,64"),
              ("small-llama", str(small), "float32", "1,4,16"),
              ("small-llama", str(small), "bfloat16", "1,4,8,16")]
     settings = (["on"] + (["no-avx512"] if avx512_bf16_available() else []) + ["off"]

@@ -28,7 +28,7 @@ from tetriinfer.bench import side_by_side as sbs
 from tetriinfer.bench.client import ClientConfig, run_benchmark
 from tetriinfer.bench.metrics import SLO
 from tetriinfer.bench.workloads import load_workload
-from tetriinfer.engine.make_model import default_model_path
+from tetriinfer.engine.make_model import tiny_model_path
 
 TETRI_ARGS = ["--chunk-size", "2048", "--prefill-merge-limit", "128", "--prefill-policy", "srtf", "--kv-backend",
               "shm", "--local-prefill"]
@@ -114,7 +114,7 @@ def main() -> int:
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("a negative nice value and SCHED_FIFO need root (or CAP_SYS_NICE)")
-    model = a.model or str(default_model_path())
+    model = a.model or str(tiny_model_path())
     cells = [(mode, prio) for mode, prios in PRIORITIES.items() for prio in prios]
     results: dict[tuple[str, str], list[dict]] = {}
     with tqdm(total=a.rounds * len(cells), desc="servers") as bar:

@@ -79,7 +79,7 @@ print(json.dumps({"prefill": prefill, "install": install, "touched_blocks": kvm.
 
 
 def main() -> None:
-    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.engine.make_model import tiny_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the tiny llama from make-model)")
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     a = ap.parse_args()
-    model = a.model or str(default_model_path())
+    model = a.model or str(tiny_model_path())
     settings = ("fifo", "reuse")
     runs: dict[str, list[dict]] = {s: [] for s in settings}
     for _ in tqdm(range(a.rounds), desc="rounds"):

@@ -43,9 +43,9 @@ def main() -> int:
         return 2
     model = args.model
     if model is None:
-        from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import tiny_model_path
 
-        model = str(default_model_path())
+        model = str(tiny_model_path())
     rates = [None if r == "inf" else float(r) for r in args.rates.split(",")]
     modes = args.modes.split(",")
     rows: dict[tuple[str, str], dict] = {}

@@ -78,7 +78,7 @@ def main() -> int:
 
     from tetriinfer.engine import cpu_kernels
     from tetriinfer.engine.cpu_info import bf16_decode_wants_native_kernels, isa_summary
-    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.engine.make_model import tiny_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="128,256,512,1024")
@@ -105,7 +105,7 @@ def main() -> int:
     best: dict[str, dict[int, float]] = {}
     jobs = [s for _ in range(args.rounds) for s in ("on", "off")]
     for setting in tqdm(jobs, desc="prefill forwards", unit="run"):
-        got = run_child(str(default_model_path()), args.lengths, args.repeats, setting == "on")
+        got = run_child(str(tiny_model_path()), args.lengths, args.repeats, setting == "on")
         best[setting] = {n: min(t, best.get(setting, {}).get(n, float("inf"))) for n, t in got.items()}
     lines = ["# bf16 prefill: native AVX-512 BF16 causal attention vs torch's", "",
              f"`python benchmarks/bench_prefill_attention.py` on {os.cpu_count()} CPU cores ({isa_summary()}), one "

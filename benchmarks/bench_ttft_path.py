@@ -21,7 +21,7 @@ from tetriinfer.bench import side_by_side as sbs
 from tetriinfer.bench.client import ClientConfig, run_benchmark
 from tetriinfer.bench.metrics import SLO, RequestRecord
 from tetriinfer.bench.workloads import Workload, WorkloadRequest
-from tetriinfer.engine.make_model import default_model_path
+from tetriinfer.engine.make_model import tiny_model_path
 
 # the side-by-side layouts (2 instances, one core each), with the side-by-side runs' TetriInfer flags
 EXTRA_ARGS: dict[str, list[str]] = {
@@ -60,7 +60,7 @@ def main() -> int:
         raise SystemExit("--repeats must be >= 2 and --rounds >= 1")
     lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
     extra = {c.label: list(c.serve_args) for c in sbs.parse_columns(",".join(EXTRA_ARGS), serve_args=a.serve_arg)}
-    model = a.model or str(default_model_path())
+    model = a.model or str(tiny_model_path())
     times: dict[tuple[str, int], list[float]] = {}
     order = list(EXTRA_ARGS)
     with tqdm(total=a.rounds * len(order), desc="servers") as bar:

@@ -113,9 +113,9 @@ def main() -> int:
     if args.kv_blocks is None:
         args.kv_blocks = math.ceil(0.6 * args.requests * (args.max_tokens + 64) / 16)
     if args.model is None:
-        from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import tiny_model_path
 
-        args.model = str(default_model_path())
+        args.model = str(tiny_model_path())
     runs: dict[tuple[str, str], dict[str, Any]] = {}
     experiments = {
         "scale-in": ("tetriinfer", DISAGG, scale_in),

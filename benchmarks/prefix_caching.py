@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true", help="also vllm serve (CPU build, own venv) without/with caching")
     args = ap.parse_args(argv)
     if args.model is None:
-        from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import tiny_model_path
 
-        args.model = str(default_model_path())
+        args.model = str(tiny_model_path())
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:

@@ -154,9 +154,9 @@ def main() -> int:
         return 2
     model = args.model
     if model is None:
-        from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import tiny_model_path
 
-        model = str(default_model_path())
+        model = str(tiny_model_path())
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tetri-ray-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",

@@ -50,9 +50,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model is None:
-        from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import tiny_model_path
 
-        args.model = str(default_model_path())
+        args.model = str(tiny_model_path())
     runs: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
     bar = tqdm(total=2 * args.repeats, desc="scale-out")
     for label, spares in (("cold", 0), ("warm", 1)):

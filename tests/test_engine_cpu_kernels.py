@@ -266,7 +266,7 @@ def test_bf16_prefill_takes_the_native_attention_and_generates_as_torch_does(mon
     kernel forced on, greedy generations agree with the kernel off until a near-tie (as for the decode kernels)."""
     import tetriinfer.engine.attention as attention
     from tetriinfer import LLM, SamplingParams
-    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.engine.make_model import tiny_model_path
 
     calls: list[int] = []
     real = attention.prefill_attn_bf16
@@ -275,7 +275,7 @@ def test_bf16_prefill_takes_the_native_attention_and_generates_as_torch_does(mon
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        llm = LLM(model=str(default_model_path()), dtype="bfloat16", chunk_size=32)
+        llm = LLM(model=str(tiny_model_path()), dtype="bfloat16", chunk_size=32)
         prompt = [5 + (7 * i) % 900 for i in range(50)]  # two chunks: 32 + 18 tokens
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -426,8 +426,8 @@ def test_engine_bf16_decode_uses_the_kernels_and_matches_torch_paths(tmp_path: P
     the summation order, so both runs emit the same tokens until the first step where the kernels-off run itself
     sees a near-tie (its top two logprobs within a few bf16 roundings), and there the kernels pick one of those."""
     code = ("import json, sys, torch; from tetriinfer import LLM, SamplingParams; torch.set_num_threads(1); "
-            "from tetriinfer.engine.make_model import default_model_path; "
-            "llm = LLM(model=str(default_model_path()), dtype='bfloat16'); "
+            "from tetriinfer.engine.make_model import tiny_model_path; "
+            "llm = LLM(model=str(tiny_model_path()), dtype='bfloat16'); "
             "outs = llm.generate(['the quick brown fox', 'hello world, this is a test of'], "
             "SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)); "
             "print(json.dumps([[o.outputs[0].token_ids, [{str(k): v for k, v in lp.items()} "

@@ -216,7 +216,7 @@ def test_shipped_tokenizer_is_small_and_exact() -> None:
     assert [info.special_ids[t] for t in mm.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
 
 
-def test_default_model_path_races_creates_once_and_reuses(
+def test_tiny_model_path_races_creates_once_and_reuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = tmp_path / "cache"
@@ -235,7 +235,7 @@ def test_default_model_path_races_creates_once_and_reuses(
 
     def worker() -> None:
         try:
-            results.append(mm.default_model_path())
+            results.append(mm.tiny_model_path())
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
 
@@ -253,19 +253,19 @@ def test_default_model_path_races_creates_once_and_reuses(
     inode = (expected / "model.safetensors").stat().st_ino
 
     def must_not_build(*args: Any, **kwargs: Any) -> Path:
-        raise AssertionError("default_model_path rebuilt an existing model")
+        raise AssertionError("tiny_model_path rebuilt an existing model")
 
     monkeypatch.setattr(mm, "make_model", must_not_build)
-    assert mm.default_model_path() == expected
+    assert mm.tiny_model_path() == expected
     assert (expected / "model.safetensors").stat().st_ino == inode
 
 
-def test_default_model_path_refuses_foreign_folder(tmp_path: Path) -> None:
+def test_tiny_model_path_refuses_foreign_folder(tmp_path: Path) -> None:
     target = tmp_path / "models" / "tiny-llama"
     target.mkdir(parents=True)
     (target / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a complete model"):
-        mm.default_model_path(tmp_path)
+        mm.tiny_model_path(tmp_path)
 
 
 def test_cli_refuses_non_empty_folder_unless_forced(

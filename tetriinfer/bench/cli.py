@@ -103,6 +103,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="trace the classes resample lengths from: azure (default), mooncake, sample, or a path",
     )
+    g.add_argument("--output-lengths", choices=("fixed", "natural"), default="fixed",
+                   help="fixed: each answer has exactly the workload's output length (ignore_eos); natural: answers "
+                   "end at the model's EOS and the workload's length is only the max_tokens cap")
+    g.add_argument("--output-cap", type=int, default=1024,
+                   help="alpaca[:FILE] workload (real AlpacaEval prompts, chat-rendered): max_tokens of each request")
 
 
 def client_cpu_layout(value: str) -> Any:
@@ -150,6 +155,8 @@ def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_context=args.max_context,
         length_source=args.length_source,
         length_scale=args.length_scale,
+        tokenizer=getattr(args, "tokenizer", None),
+        output_cap=args.output_cap,
     )
 
 
@@ -229,6 +236,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         transport=args.client_transport,
         rt_priority=layout.client_rt_priority,
         cores=layout.client_cores_for_run(),
+        output_lengths=args.output_lengths,
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)
@@ -319,12 +327,9 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         save,
         write_plots,
     )
+    from tetriinfer.engine.make_model import resolve_model
 
-    model = args.model
-    if model is None:
-        from tetriinfer.engine.make_model import default_model_path
-
-        model = str(default_model_path())
+    model = resolve_model(args.model)
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model folder {model!r} does not exist")
     layout = client_cpu_layout(args.cpu_layout)
@@ -353,6 +358,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         burstiness_cv=args.burstiness_cv,
         length_source=args.length_source,
         length_scale=args.length_scale,
+        output_lengths=args.output_lengths, output_cap=args.output_cap,
         seed=args.seed,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e),
         request_timeout_s=args.request_timeout,
@@ -397,7 +403,7 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "each), run every workload, read resource usage from /cluster, stop it. Writes the paper-style "
         "table (TTFT, JCT, resource, perf/$ vs colocated). See tetriinfer/bench/side_by_side.py.",
     )
-    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
+    p.add_argument("--model", default=None, help="HF model folder or name (default: smollm2-135m-instruct; tiny-llama: seeded random)")
     p.add_argument("--workloads", default=",".join(CLASS_NAMES),
                    help="comma-separated: lpld,lphd,hpld,hphd,mixed and/or trace:FILE")
     p.add_argument("--modes", default="tetriinfer,colocated,sarathi,distserve",
@@ -431,6 +437,9 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--prefill-instances", type=int, default=None,
                    help="prefill instances in disaggregated modes (default: half)")
     p.add_argument("--max-prompt-tokens", type=int, default=1536)
+    p.add_argument("--output-lengths", choices=("fixed", "natural"), default="fixed",
+                   help="natural: answers end at EOS (no ignore_eos); the workload's output length is only a cap")
+    p.add_argument("--output-cap", type=int, default=1024, help="alpaca[:FILE] workload: max_tokens of each request")
     p.add_argument("--max-output-tokens", type=int, default=384)
     p.add_argument("--max-context", type=int, default=None,
                    help="reject prompt+output over this (default: the server's max_model_len)")

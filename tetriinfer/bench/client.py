@@ -3,7 +3,8 @@
 Each workload request is sent at its scheduled arrival time regardless of how many are in flight (open
 loop; an optional ``max_concurrency`` caps in-flight requests, and the resulting wait shows up as
 ``send_lag``). Requests ask for exactly ``output_tokens`` tokens: ``max_tokens`` = ``min_tokens`` = N and
-``ignore_eos`` (vLLM extras, sent unless ``vllm_extras=False``). Prompts are lists of token ids of exactly
+``ignore_eos`` (vLLM extras, sent unless ``vllm_extras=False``); with ``output_lengths="natural"`` answers end
+where the model ends them and ``output_tokens`` is only the ``max_tokens`` cap. Prompts are lists of token ids of exactly
 the workload's length, built from a real text with the server's tokenizer when one is given (each
 prompt starts with a few per-request random tokens so prefix caches do not share whole prompts), or from
 random ids in ``random_token_range`` otherwise.
@@ -57,6 +58,9 @@ _BASE_TEXT = (
 TRANSPORTS = ("raw", "httpx")
 
 
+OUTPUT_LENGTHS: tuple[str, ...] = ("fixed", "natural")
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """How to reach the server and shape the requests."""
@@ -81,6 +85,9 @@ class ClientConfig:
     transport: str = "raw"  # "raw": bench.sse_transport (lean, the default); "httpx": httpx's streaming client
     rt_priority: int | None = None  # run the client under SCHED_FIFO at this priority for the run (run_client)
     cores: tuple[int, ...] | None = None  # pin the client to these CPU cores for the run (run_client)
+    # "fixed": exactly the workload's output length (ignore_eos + min_tokens); "natural": answers end at EOS and
+    # the workload's output length is only the max_tokens cap
+    output_lengths: str = "fixed"
 
 
     def __post_init__(self) -> None:
@@ -103,6 +110,8 @@ class ClientConfig:
             )
         if self.rt_priority is not None:
             check_rt_priority(self.rt_priority)
+        if self.output_lengths not in OUTPUT_LENGTHS:
+            raise ValueError(f"output_lengths must be one of {', '.join(OUTPUT_LENGTHS)}, got {self.output_lengths!r}")
         if self.cores is not None and (not self.cores or min(self.cores) < 0):
             raise ValueError(f"cores must be a non-empty list of core numbers, got {self.cores}")
         if self.transport not in TRANSPORTS:
@@ -274,8 +283,9 @@ class BenchmarkClient:
         if cfg.user is not None:
             body["user"] = cfg.user
         if cfg.vllm_extras:
-            body["ignore_eos"] = True
-            body["min_tokens"] = req.output_tokens
+            if cfg.output_lengths == "fixed":
+                body["ignore_eos"] = True
+                body["min_tokens"] = req.output_tokens
             body["stream_options"]["continuous_usage_stats"] = True
         return body
 
@@ -398,6 +408,9 @@ class BenchmarkClient:
                     task.add_done_callback(lambda _t: bar.update(1))
                     tasks.append(task)
                 await asyncio.gather(*tasks)
+                if cfg.output_lengths == "natural":  # shorter is expected; only going past the cap is a mismatch
+                    for rec in records:
+                        rec.expected_output_tokens = min(rec.output_tokens, rec.expected_output_tokens)
             finally:
                 for task in tasks:
                     task.cancel()

@@ -134,6 +134,8 @@ class SideBySideConfig:
     burstiness_cv: float = 1.0
     length_source: str | None = None
     length_scale: float = 1.0  # trace workloads: lengths (and Mooncake hash blocks) times this
+    output_lengths: str = "fixed"  # "natural": answers end at EOS, the workload's length is a max_tokens cap
+    output_cap: int = 1024  # alpaca[:FILE] workload: max_tokens of each request
     seed: int = 0
     slo: SLO = field(default_factory=SLO)
     request_timeout_s: float = 900.0
@@ -794,6 +796,8 @@ class SideBySide:
             max_context=c.max_context,
             length_source=c.length_source,
             length_scale=c.length_scale if is_trace else 1.0,
+            tokenizer=c.model if (Path(c.model) / "tokenizer.json").is_file() else None,
+            output_cap=c.output_cap,
         )
 
     def _client_options(self, column: Column) -> dict[str, Any]:
@@ -808,6 +812,7 @@ class SideBySide:
             "transport": c.client_transport,
             "rt_priority": c.client_rt_priority,
             "cores": column.client_cores if column.client_cores is not None else c.client_cores,
+            "output_lengths": c.output_lengths,
         }
 
     def _bench(self, url: str, model: str, column: Column, workload: Workload, **extra: Any) -> dict[str, Any]:

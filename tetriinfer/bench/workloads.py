@@ -372,8 +372,13 @@ def load_workload(
     length_source: str | os.PathLike[str] | None = None,
     length_scale: float = 1.0,
     trace_repeat: int = 1,
+    tokenizer: str | None = None,
+    output_cap: int = 1024,
 ) -> Workload:
-    """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed``, ``trace:FILE`` or ``scale:N``.
+    """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed``, ``trace:FILE``, ``scale:N`` or ``alpaca[:FILE]``.
+
+    - ``alpaca[:FILE]``: real prompts (see ``alpaca_workload``; needs the served model's ``tokenizer``),
+      each asking for at most ``output_cap`` tokens.
 
     - ``num_requests``: class workloads draw this many; traces take their first ``num_requests`` rows.
     - ``rate``: mean request rate (req/s). Class workloads: rate of the Poisson/gamma process, or None
@@ -425,6 +430,12 @@ def load_workload(
             f"scale:{int(count)}", f"{int(count)} requests drawn from {source}", "scale", rows, num_requests, rate,
             seed, arrival, burstiness_cv, None, max_prompt_tokens, max_output_tokens, max_context, length_scale,
         )
+    if key.lower() == "alpaca" or key.lower().startswith("alpaca:"):
+        if tokenizer is None:
+            raise ValueError("the alpaca workload needs the served model's tokenizer (--tokenizer DIR)")
+        return alpaca_workload(key[len("alpaca:"):] or None, num_requests, rate, seed, tokenizer,
+                               output_cap=output_cap, arrival=arrival, burstiness_cv=burstiness_cv,
+                               max_context=max_context)
     if key.lower().startswith("trace:"):
         return _trace_workload(
             key[len("trace:") :],
@@ -666,3 +677,55 @@ def workload_summary_line(workload: Workload) -> str:
         f"{d['arrival_process']} arrivals{rate_text}, prompt median {d['prompt_tokens']['median']:.0f}, "
         f"output median {d['output_tokens']['median']:.0f} tokens"
     )
+
+
+ALPACA_DEFAULT_FILE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "alpaca_eval" / "gpt4_1106_preview.json"
+
+
+def alpaca_workload(
+    path: str | os.PathLike[str] | None,
+    num_requests: int,
+    rate: float | None,
+    seed: int,
+    tokenizer_dir: str,
+    *,
+    output_cap: int = 1024,
+    arrival: str | None = None,
+    burstiness_cv: float = 1.0,
+    max_context: int | None = None,
+) -> Workload:
+    """Real prompts: AlpacaEval instructions, each rendered as one user turn through the served model's chat
+    template (``tokenizer_dir``), sent as completion text; ``output_tokens`` is ``output_cap`` (meant for
+    natural output lengths, where it is only the ``max_tokens`` cap). Instructions are drawn without
+    replacement in a seeded order (with replacement only past the file's size)."""
+    from transformers import AutoTokenizer
+
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    _check_positive_int("output_cap", output_cap)
+    source = Path(path) if path else ALPACA_DEFAULT_FILE
+    try:
+        prompts = [str(row["instruction"]) for row in json.loads(source.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{source}: expected an AlpacaEval JSON list of objects with 'instruction': {exc}") from exc
+    if not prompts:
+        raise ValueError(f"no prompts in {source}")
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the alpaca workload needs the served model's tokenizer with a chat template: {tokenizer_dir}")
+    rng = np.random.default_rng([seed, 7])
+    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(math.ceil(num_requests / len(prompts)))])
+    process = arrival or "poisson"
+    if process == "trace":
+        raise ValueError("the alpaca workload has no timestamps; use arrival 'poisson' or 'gamma'")
+    arrivals = make_arrivals(num_requests, process, rate, seed, burstiness_cv)
+    requests = []
+    for i in range(num_requests):
+        text = tok.apply_chat_template([{"role": "user", "content": prompts[int(order[i])]}], tokenize=False,
+                                       add_generation_prompt=True)
+        n = len(tok.encode(text, add_special_tokens=False))
+        requests.append(WorkloadRequest(f"alpaca-{i}", arrivals[i], n, output_cap, prompt_text=text))
+    notes = (f"{num_requests} AlpacaEval instructions of {len(prompts)} in {source.name}, chat-rendered; "
+             f"output lengths natural, capped at {output_cap}",)
+    return Workload("alpaca", tuple(_mark_rejections(requests, max_context)), str(source),
+                    process if rate is not None else "burst", rate, seed, notes)

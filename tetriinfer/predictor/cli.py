@@ -50,7 +50,15 @@ def add_subparsers(subparsers: Any) -> None:
     b.add_argument("--concurrency", type=int, default=8)
     b.add_argument("--max-tokens", type=int, default=1024, help="max_tokens per collected request")
     b.add_argument("--chat", action="store_true", help="use /v1/chat/completions instead of /v1/completions")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of collected requests (0: greedy; e.g. 0.7 for sampled lengths)")
     b.set_defaults(handler=_build_dataset)
+
+    d = sub.add_parser("build-default", help="train the default predictor (on the default model's own lengths)")
+    d.add_argument("--out", default=None, metavar="PREDICTOR_DIR",
+                   help="where to write it (default: the cache folder that 'serve --predictor default' uses)")
+    d.add_argument("--threads", type=int, default=1, help="torch threads (fixed for determinism)")
+    d.set_defaults(handler=_build_default)
 
     t = sub.add_parser("train", help="fine-tune the length classifier")
     t.add_argument("--dataset", required=True, metavar="DIR")
@@ -120,6 +128,7 @@ def _build_dataset(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             max_tokens=args.max_tokens,
             chat=args.chat,
+            temperature=args.temperature,
         )
         prompts: list[str] = []
         for f in files:
@@ -148,6 +157,14 @@ def _build_dataset(args: argparse.Namespace) -> int:
         f"train {counts['train']['rows']} rows / {counts['train']['prompts']} prompts, "
         f"val {counts['val']['rows']} rows / {counts['val']['prompts']} prompts"
     )
+    return 0
+
+
+def _build_default(args: argparse.Namespace) -> int:
+    from tetriinfer.predictor.default import build_default_predictor, default_predictor_path
+
+    path = build_default_predictor(args.out, num_threads=args.threads) if args.out else default_predictor_path()
+    print(f"default predictor: {path}")
     return 0
 
 

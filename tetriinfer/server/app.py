@@ -11,9 +11,11 @@ Behaviour (vLLM's, which users compare against):
   (``max_model_len - prompt tokens``, like vLLM); both are capped to the context left. An explicit
   ``max_tokens`` that does not fit next to the prompt is a 400, as in vLLM.
 - Text prompts are tokenized with ``tokenizer.encode`` (special tokens added, as ``LLM.generate`` does);
-  chat messages go through the tokenizer's chat template (``tokenize=False``, then encoded without adding
-  special tokens, since the template writes them), or a plain ``role: content`` fallback when the
-  tokenizer has none.
+  chat messages go through the model's own chat template (rendered by ``server.chat_template`` exactly as
+  transformers' ``apply_chat_template(tokenize=False)`` would, then encoded without adding special tokens,
+  since the template writes them), or a plain ``role: content`` fallback when the tokenizer has none.
+- Generation stops at every EOS id of the model folder's generation_config (unless ``ignore_eos``), with
+  ``finish_reason: "stop"``; no token follows the EOS.
 - Text is produced by ``IncrementalDetokenizer`` (stop strings, partial UTF-8), so streamed text equals
   the non-streamed text; a stop string found here aborts the request in the engine.
 - Errors: OpenAI's ``{"error": {"message", "type", "param", "code"}}``; validation problems are 400
@@ -51,6 +53,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tetriinfer import __version__
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.runtime.engine_client import EngineClient, TokenEvent
+from tetriinfer.server.chat_template import ChatTemplateError, render_chat, special_tokens_of
 from tetriinfer.server.detokenizer import IncrementalDetokenizer
 from tetriinfer.server.limits import Admission, ServerLimits, default_pending_tokens
 from tetriinfer.server.metrics import ServerMetrics
@@ -250,6 +253,16 @@ async def _race_disconnect(raw: Request, aw: Awaitable[T]) -> T:
                 await task
 
 
+def _extra_eos_ids(client: EngineClient) -> tuple[int, ...]:
+    """EOS ids of the model folder's generation_config beyond the one the engine stops at by itself."""
+    from tetriinfer.engine.tokenizer_loader import load_eos_token_ids
+
+    folder = getattr(client.tokenizer, "name_or_path", None)
+    if not folder:
+        return ()
+    return tuple(t for t in load_eos_token_ids(folder) if t != client.eos_token_id)
+
+
 def _fallback_chat_text(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
     lines = [f"{m['role']}: {m['content']}" for m in messages]
     text = "\n".join(lines) + "\n"
@@ -297,6 +310,7 @@ class _Server:
         self.admission = Admission(limits.max_pending_requests, limits.max_pending_tokens)
         self._capacity_known = limits.max_pending_tokens is not None
         self.created = now_s()
+        self.extra_eos_ids = _extra_eos_ids(client)
 
     # -- admission
     def _resolve_capacity(self) -> None:
@@ -359,16 +373,15 @@ class _Server:
         if tok is None:
             raise OpenAIError("chat needs a tokenizer and this model has none; use /v1/completions with ids")
         msgs = [self._message_dict(m) for m in req.messages]
-        if getattr(tok, "chat_template", None):
-            kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
-            if req.continue_final_message:
-                kwargs["continue_final_message"] = True
+        template = getattr(tok, "chat_template", None)
+        if isinstance(template, str) and template:  # the model's own template, rendered as transformers does
             try:
-                text = tok.apply_chat_template(
-                    msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt and not
-                    req.continue_final_message, **kwargs
+                text = render_chat(
+                    template, msgs, add_generation_prompt=req.add_generation_prompt and not
+                    req.continue_final_message, continue_final_message=req.continue_final_message,
+                    special_tokens=special_tokens_of(tok), **dict(req.chat_template_kwargs or {}),
                 )
-            except Exception as exc:  # jinja errors (e.g. a role the template rejects)
+            except (ChatTemplateError, TypeError) as exc:  # e.g. a role the template rejects
                 raise OpenAIError(f"the chat template failed: {exc}", param="messages") from exc
             return list(tok.encode(text, add_special_tokens=False))
         return list(tok.encode(_fallback_chat_text(msgs, req.add_generation_prompt)))
@@ -415,7 +428,9 @@ class _Server:
                 min_tokens=req.min_tokens,
                 ignore_eos=req.ignore_eos,
                 stop=tuple(req.stop_list()),
-                stop_token_ids=tuple(req.stop_token_ids or ()),
+                # generation_config's other EOS ids end the answer too (unless EOS is ignored)
+                stop_token_ids=tuple(dict.fromkeys([*(req.stop_token_ids or ()),
+                                                    *(() if req.ignore_eos else self.extra_eos_ids)])),
             )
         except ValueError as exc:
             raise OpenAIError(str(exc)) from exc

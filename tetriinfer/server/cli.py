@@ -14,7 +14,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
     """Every flag that shapes the cluster (shared by `serve` and the simulator's columns), in help groups;
     returns the groups by name so that `serve` adds its own flags to them."""
     model = p.add_argument_group("model")
-    model.add_argument("--model", default=None, help="HF model folder (default: the tiny llama, made on first use)")
+    model.add_argument("--model", default=None, help="HF model folder, or a name: smollm2-135m-instruct (the default, converted on first use) "
+                       "or tiny-llama (seeded random weights)")
     model.add_argument("--served-model-name", default=None)
     model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     model.add_argument("--device", default="cpu")
@@ -65,7 +66,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
                        choices=["length-aware", "random", "round-robin", "least-loaded", "imbalanced"])
     sched.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
     sched.add_argument("--heavy-decode-tokens", type=int, default=128)
-    sched.add_argument("--predictor", default="none", help="none | oracle | a predictor folder")
+    sched.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's lengths) | a predictor folder")
     sched.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
     sched.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=False,
                        help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
@@ -193,7 +194,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
-        decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens, predictor=args.predictor,
+        decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens,
+        predictor=_predictor_spec(args.predictor),
         predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, kv_handoff=args.kv_handoff,
         link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
@@ -217,12 +219,19 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
     )
 
 
-def build_client(args: argparse.Namespace, layout: Any = None) -> Any:
-    model = args.model
-    if model is None:
-        from tetriinfer.engine.make_model import default_model_path
+def _predictor_spec(spec: str) -> str:
+    """``default``: the predictor trained on the default model's own lengths (made on first use)."""
+    if spec != "default":
+        return spec
+    from tetriinfer.predictor.default import default_predictor_path
 
-        model = str(default_model_path())
+    return str(default_predictor_path())
+
+
+def build_client(args: argparse.Namespace, layout: Any = None) -> Any:
+    from tetriinfer.engine.make_model import resolve_model
+
+    model = resolve_model(args.model)  # None: the real default model; "tiny-llama": the seeded test model
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model folder {model!r} does not exist")
     name = args.served_model_name or os.path.basename(os.path.normpath(model))

@@ -1,0 +1,121 @@
+"""The default length predictor: trained on the default model's own output lengths, made on first use.
+
+The package ships ``data/smollm2_lengths.jsonl``: one line per AlpacaEval instruction with the number of
+tokens SmolLM2-135M-Instruct (the default served model) generated for it through our own server
+(chat endpoint, greedy, natural ending, ``max_tokens`` 1024), collected with
+``tetriinfer predictor build-dataset --collect-from URL --chat``. ``default_predictor_path`` turns it into a
+trained predictor in the cache (``<cache>/predictors/smollm2-135m-instruct-g100``) the first time it is
+asked for; ``tetriinfer predictor build-default`` does the same explicitly; ``serve --predictor default``
+uses it.
+
+Invariants:
+- The predictor is trained on prompts in the form it sees when serving: the serving hook decodes a
+  request's prompt ids with ``skip_special_tokens=True``, so each instruction is rendered through the
+  model's chat template (one user turn, generation prompt) and decoded the same way before training.
+- The split into training and held-out prompts is by instruction (prompt hash, seed 0), as for every
+  dataset; the held-out prompts never reach training.
+- A predictor folder is published atomically (built in a temporary sibling, renamed into place), so a
+  concurrent or interrupted build never leaves a half-written folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_GRANULARITY = 100
+DEFAULT_MAX_LENGTH_TOKENS = 1000  # answers capped at 1024 tokens share the open last bucket [1000, inf)
+LENGTHS_FILE = "smollm2_lengths.jsonl"
+
+
+def shipped_lengths_path() -> Path:
+    path = Path(str(resources.files("tetriinfer").joinpath("data", LENGTHS_FILE)))
+    if not path.is_file():
+        raise FileNotFoundError(f"shipped length data missing: {path}")
+    return path
+
+
+def served_prompt_text(tokenizer: Any, instruction: str) -> str:
+    """What the serving predictor hook sees for a chat request holding ``instruction`` as the user turn."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True)
+    if not isinstance(ids, list):
+        ids = list(ids["input_ids"])
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def write_served_form(lengths_file: Path, model_dir: Path, out_file: Path) -> int:
+    """Rewrite a collected JSONL with every prompt in its served form; returns the line count."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    n = 0
+    with lengths_file.open(encoding="utf-8") as src, out_file.open("w", encoding="utf-8") as dst:
+        for line in src:
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            obj["prompt"] = served_prompt_text(tok, obj["prompt"])
+            obj.pop("response_text", None)
+            dst.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def build_default_predictor(out: str | Path, model_dir: str | Path | None = None, *,
+                            num_threads: int | None = 1, epochs: int = 8) -> Path:
+    """Build the served-form dataset from the shipped lengths and train the predictor into ``out``."""
+    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.predictor.dataset import DatasetConfig, build_dataset
+    from tetriinfer.predictor.train import TrainConfig, train_predictor
+
+    model = Path(model_dir) if model_dir is not None else default_model_path()
+    out = Path(out).expanduser().absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        served = staging / "lengths_served.jsonl"
+        write_served_form(shipped_lengths_path(), model, served)
+        config = DatasetConfig(granularity=DEFAULT_GRANULARITY, max_tokens=DEFAULT_MAX_LENGTH_TOKENS)
+        dataset = build_dataset([served], model, config, target=DEFAULT_TARGET)
+        dataset.save(staging / "dataset")
+        train_predictor(dataset, staging / "predictor",
+                        config=TrainConfig(epochs=epochs, num_threads=num_threads, max_length=128))
+        served.unlink()
+        (staging / "predictor").rename(staging / "final")
+        final = staging / "final"
+        shutil.move(str(staging / "dataset"), str(final / "dataset"))
+        if out.exists():
+            out.rmdir()
+        final.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def default_predictor_path(cache: str | Path | None = None) -> Path:
+    """The default predictor in the cache, trained on first use (minutes on a CPU; progress is shown)."""
+    from tetriinfer.engine.make_model import cache_dir
+    from tetriinfer.predictor.artifact import META_FILE
+
+    root = Path(cache).expanduser() if cache is not None else cache_dir()
+    target = (root / "predictors" / f"{DEFAULT_TARGET}-g{DEFAULT_GRANULARITY}").absolute()
+    if (target / META_FILE).is_file():
+        return target
+    try:
+        build_default_predictor(target)
+    except (ValueError, OSError):
+        if not (target / META_FILE).is_file():  # not a lost race: a real failure
+            raise
+    return target
+
+
+def resolve_predictor(spec: str) -> str:
+    """``default`` -> the default predictor folder (made on first use); other specs unchanged."""
+    return str(default_predictor_path()) if spec == "default" else spec
