@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tetriinfer.engine.model_folder import check_destination, make_readable, publish
+
 if TYPE_CHECKING:
     import numpy as np
     from gguf import GGUFReader
@@ -519,20 +521,19 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", *,
     Raises ``GGUFError`` for a file we cannot convert and ValueError for a bad ``dtype`` or a non-empty
     ``out`` without ``force``; in every failure ``out`` is left as it was.
     """
-    from tetriinfer.engine.make_model import _check_destination, _make_readable, _publish
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     src = locate_gguf(source)
     out = Path(out).expanduser().absolute()
-    _check_destination(out, force)
+    check_destination(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         write_converted_files(src, staging, dtype)
-        _make_readable(staging)
-        _check_destination(out, force)
-        _publish(staging, out, force)
+        make_readable(staging)
+        check_destination(out, force)
+        publish(staging, out, force)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
