@@ -15,12 +15,12 @@ from tetriinfer.net import free_loopback_port as free_port
 
 
 class ServeProcess:
-    def __init__(self, model: Path, *args: str, startup_s: float = 240.0) -> None:
+    def __init__(self, model: Path, *args: str, startup_s: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", str(model), "--port", str(self.port),
                "--kv-cache-memory-gb", "0.25", *args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:

@@ -5,7 +5,8 @@ backed up); it waits in ``local_pending`` (FIFO) until ``DecodeScheduler.admit_l
 prefills here chunk by chunk within the decode steps and decodes in place (no KV transfer).
 
 Lifecycle of a request here: Handoff -> pending admission (FIFO; the admission policy may make it
-wait) -> reserved (blocks allocated *before* bytes move) -> receiving (memory posted, KVReady sent)
+wait; a Handoff for a request already aborted here is refused at once) -> reserved (blocks allocated *before*
+bytes move) -> receiving (memory posted, KVReady sent)
 -> KV written into its blocks -> decoding -> finished | aborted. A failed or timed-out receive is
 re-posted up to ``transfer_attempts`` times (blocks stay reserved), then the blocks are freed and the
 prefill instance told (KVDone failed) so it re-dispatches.
@@ -37,7 +38,7 @@ from tetriinfer.runtime.messages import (
     NewRequest,
     PrefillDone,
 )
-from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, schedule_decode
+from tetriinfer.runtime.worker_base import InstanceContext, RecentIds, apply_decode_step, schedule_decode
 
 
 class DecodeWorker:
@@ -59,6 +60,7 @@ class DecodeWorker:
         self.pending: deque[Handoff] = deque()
         self.local_pending: deque[NewRequest] = deque()  # conditional disaggregation: prefilled here
         self.receiver = KVReceiver(ctx, on_done=self._kv_in, on_gave_up=self._gave_up)
+        self.ended = RecentIds()  # aborted here: a Handoff that comes after its Abort holds nothing
         # chunk-wise transfers: first tokens that arrived (PrefillDone) and KV that completed first
         self.first_tokens: dict[str, list[int]] = {}
         self.kv_complete: dict[str, Receiving] = {}
@@ -71,6 +73,9 @@ class DecodeWorker:
         if isinstance(msg, Handoff):
             if msg.migrated:
                 self.immigration.offer(msg)
+                return
+            if msg.request_id in self.ended:  # aborted before its Handoff arrived: a live sender frees its copy
+                self.ctx.reply_peer(msg.prefill_id, KVDone(msg.request_id, reason="aborted"))
                 return
             self.pending.append(msg)
             self._admit()
@@ -100,7 +105,7 @@ class DecodeWorker:
             except ValueError as exc:  # can never run here: fail cleanly, let the prefill side free its copy
                 self.pending.popleft()
                 self.ctx.emit_error(h.request_id, len(h.output_token_ids), str(exc))
-                self.ctx.send_peer(h.prefill_id, KVDone(h.request_id, failed=False, reason=str(exc)))
+                self.ctx.reply_peer(h.prefill_id, KVDone(h.request_id, failed=False, reason=str(exc)))
                 continue
             if not ok:
                 return
@@ -134,7 +139,7 @@ class DecodeWorker:
 
     def _gave_up(self, h: Handoff, reason: str) -> None:
         self.scheduler.transfer_failed(h.request_id)
-        self.ctx.send_peer(h.prefill_id, KVDone(h.request_id, failed=True, reason=reason))
+        self.ctx.reply_peer(h.prefill_id, KVDone(h.request_id, failed=True, reason=reason))
 
     def _activate(self, rcv: Receiving) -> None:
         rid = rcv.handoff.request_id
@@ -147,7 +152,7 @@ class DecodeWorker:
             req.num_computed_tokens = req.num_tokens - 1
         self.receiver.install(rcv, self.scheduler.block_table(rid))
         self.scheduler.on_kv_received(rid)
-        self.ctx.send_peer(rcv.handoff.prefill_id, KVDone(rid))
+        self.ctx.reply_peer(rcv.handoff.prefill_id, KVDone(rid))
 
     # ---- stepping ------------------------------------------------------------------------
     def take_unstarted(self, limit: int) -> list[Request]:
@@ -178,6 +183,7 @@ class DecodeWorker:
         return not out.is_empty
 
     def abort(self, rid: str) -> None:
+        self.ended.add(rid)
         for h in list(self.pending):
             if h.request_id == rid:
                 self.pending.remove(h)

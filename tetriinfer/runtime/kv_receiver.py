@@ -4,7 +4,8 @@ decode and colocated workers.
 For each handoff: memory posted (backend-allocated staging, so a shared-memory sender copies straight in, once)
 and ``KVReady`` sent to the sender (or, when the handoff names a ``kv_region``, a one-sided read of it: the
 sender does nothing until ``KVDone``) -> polled -> all bytes in: ``on_done`` | failed or timed out: re-posted up to
-``transfer_attempts`` times, then ``on_gave_up(handoff, reason)``. Every outcome is reported to the front end as a
+``transfer_attempts`` times, then ``on_gave_up(handoff, reason)`` (at once when the sender is no longer in the
+peer table: it is gone, no byte will come). Every outcome is reported to the front end as a
 ``TransferStat``. ``install`` writes a received payload into the request's blocks (and restores a migrated seeded
 request's sampler state).
 """
@@ -75,7 +76,10 @@ class KVReceiver:
         # Chunk-wise: one slot per (layer tensor, block) so blocks can arrive as chunks complete.
         slots = [t[b] for t in staging for b in range(h.num_kv_blocks)] if h.early else staging
         region = self.ctx.backend.recv(tid, slots, timeout_s=self.ctx.spec.transfer_timeout_s)
-        self.ctx.send_peer(h.prefill_id, KVReady(h.request_id, tid, region))
+        if not self.ctx.reply_peer(h.prefill_id, KVReady(h.request_id, tid, region)):
+            # the sender left the peer table (dead and replaced, or retired): no byte will come, free it now
+            self.drop(h.request_id)
+            self.on_gave_up(h, f"sender {h.prefill_id} is gone")
 
     def poll(self) -> None:
         from tetriinfer.transfer import TransferState

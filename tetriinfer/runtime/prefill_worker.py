@@ -31,6 +31,7 @@ from tetriinfer.core.load import InstanceState, LoadReport, prefill_instance_rep
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
 from tetriinfer.core.step import SchedulerOutput, merge_steps, split_result
+from tetriinfer.runtime.fault_hooks import SendHold, hold_config_from_env
 from tetriinfer.runtime.messages import (
     Abort,
     DecodeLoads,
@@ -110,6 +111,8 @@ class PrefillWorker:
             DispatcherConfig(policy=spec.dispatch_policy, heavy_decode_tokens=spec.heavy_decode_tokens, seed=spec.seed)
         )
         self.decode_loads: list[LoadReport] = []
+        hold = hold_config_from_env()  # test-only fault injection (runtime.fault_hooks); None unless asked for
+        self.send_hold = SendHold(hold, ctx.instance_id) if hold is not None else None
         self.staged: dict[str, StagedKV] = {}
         self.streams: dict[str, KVStream] = {}  # chunk-wise transfers (kv_transfer == "chunk")
         self.chunk_mode = spec.kv_transfer == "chunk"
@@ -427,9 +430,26 @@ class PrefillWorker:
         staged.sending_tid = msg.transfer_id
         staged.send_started = time.perf_counter()
         try:
-            backend.send(msg.transfer_id, staged.tensors, msg.region, timeout_s=self.ctx.spec.transfer_timeout_s)
-        except (ValueError, RuntimeError):
+            if self.send_hold is not None and self.send_hold.take(staged.decode_id or ""):
+                self._send_held(msg, staged)
+            else:
+                backend.send(msg.transfer_id, staged.tensors, msg.region, timeout_s=self.ctx.spec.transfer_timeout_s)
+        except (ValueError, RuntimeError, KeyError):
             staged.sending_tid = None  # the receiver times out and re-posts or gives up
+
+    def _send_held(self, msg: KVReady, staged: StagedKV) -> None:
+        """Test-only (``runtime.fault_hooks``): the same send as ``backend.send``, held with half the payload
+        queued until the test releases it (or kills this instance meanwhile)."""
+        assert self.send_hold is not None
+        backend, tid, tensors = self.ctx.backend, msg.transfer_id, staged.tensors
+        half = max(1, len(tensors) // 2)
+        backend.open(tid, msg.region, timeout_s=self.ctx.spec.transfer_timeout_s)
+        backend.append(tid, tensors[:half], slots=list(range(half)))
+        queued = sum(t.numel() * t.element_size() for t in tensors[:half])
+        self.send_hold.hold(msg.request_id, tid, staged.decode_id or "", queued, staged.nbytes)
+        if tensors[half:]:
+            backend.append(tid, tensors[half:], slots=list(range(half, len(tensors))))
+        backend.close(tid)
 
     def poll_transfers(self) -> None:
         """Free finished sends. Success is decided (and reported) by the receiving decode instance."""

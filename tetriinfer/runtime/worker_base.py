@@ -7,6 +7,7 @@ the engine (model runner + KV tensors), sockets and the transfer backend, which 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -90,8 +91,44 @@ class InstanceContext:
         except KeyError:
             pass
 
+    def reply_peer(self, instance_id: str, msg: Message) -> bool:
+        """Send ``msg`` to a peer that may be gone: False (nothing sent) when ``instance_id`` is no longer in this
+        instance's peer table (dead and replaced, or retired), where ``send_peer`` raises. For answers to a KV
+        sender, which a gone sender has no use for."""
+        try:
+            self.send_peer(instance_id, msg)
+        except RuntimeError:
+            return False
+        return True
+
     def emit_error(self, request_id: str, index: int, message: str) -> None:
         self.outbox.append(TokenItem(request_id, index, [], True, "error", None, message))
+
+
+class RecentIds:
+    """The last ``capacity`` ids added (a bounded set, oldest forgotten first).
+
+    A receiver remembers the requests it was told to abort, so a ``Handoff`` for one that arrives after the
+    ``Abort`` (they come from different senders: the front end and the prefill instance) holds nothing. Engine ids are
+    never reused (a request sent again gets a new one), so a remembered id can only name an ended attempt."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        self._ids.move_to_end(request_id)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def schedule_decode(scheduler: DecodeScheduler) -> SchedulerOutput:
