@@ -127,3 +127,33 @@ def test_property_alpha_respected(frees: list[tuple[int, int, int]], prompt: int
         assert dec.instance_id in alpha and set(dec.choices) <= alpha and dec.instance_id in dec.choices
     else:
         assert dec.instance_id is None
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(policy=st.sampled_from(["length-aware", "random", "round-robin", "least-loaded", "imbalanced"]),
+       ops=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from([None, 0, 100, 400]), st.integers(0, 9),
+                              st.booleans()), min_size=1, max_size=60))
+def test_views_and_charge_decide_as_the_plain_scan(policy: str, ops: list[tuple]) -> None:
+    """Dispatchers sharing ``DecodeViews`` (one broadcast read by several, each charging its own copy) choose and
+    charge exactly as one that sees every sequence for the first time and charges with ``charge_dispatch``."""
+    from tetriinfer.core.dispatcher import DecodeViews, charge_dispatch
+
+    views = DecodeViews(capacity=3)
+    fast = [Dispatcher(DispatcherConfig(policy=policy, seed=s), views) for s in range(2)]
+    plain = [Dispatcher(DispatcherConfig(policy=policy, seed=s)) for s in range(2)]
+    states = [InstanceState.ACTIVE] * 5 + [InstanceState.DRAINING]
+    broadcast = [decode(f"d{i}", free=40 * i, used=60, heavy=i % 3, light=i % 2, state=states[i]) for i in (3, 0, 5, 1, 4, 2)]
+    mine = [broadcast, broadcast]
+    for prompt, lower, k, new_broadcast in ops:
+        if new_broadcast and k < 2:  # the monitor's next broadcast (a new list, shared again)
+            broadcast = [dataclasses.replace(r, num_free_blocks=(r.num_free_blocks + 37 * k) % 300) for r in broadcast]
+            mine = [broadcast, broadcast]
+            continue
+        j = k % 2
+        got = fast[j].choose(mine[j], prompt, lower)
+        want = plain[j].choose(list(mine[j]), prompt, lower)
+        assert got == want
+        if got.instance_id is not None:
+            charged = fast[j].charge(mine[j], got.instance_id, prompt, lower)
+            assert charged == charge_dispatch(mine[j], got.instance_id, prompt, lower)
+            mine[j] = charged

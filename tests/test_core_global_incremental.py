@@ -96,6 +96,55 @@ def test_incremental_routing_matches_reference(ops: list[tuple], local: bool, we
     assert new.num_local_prefills == old.num_local_prefills
 
 
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(ops=st.lists(op, min_size=1, max_size=120), local=st.booleans())
+def test_routing_on_a_reused_broadcast_matches_reference(ops: list[tuple], local: bool) -> None:
+    """The pick index kept across calls on one loads sequence (a monitor broadcast routes many arrivals) picks as
+    the reference does, with backlogs read (and pruned) through newer reports in between."""
+    new, old = GlobalPolicy(LocalPrefillConfig(enabled=local)), _ref.GlobalPolicy(_ref.LocalPrefillConfig(enabled=local))
+    now = 0.0
+    reports = {iid: _report(iid, 0, 0.0, InstanceState.ACTIVE) for iid in PREFILLS + DECODES}
+    loads = list(reports.values())  # the broadcast: a new list only when a report changes
+    ids: list[str] = []
+    for o in ops:
+        kind = o[0]
+        if kind == "arrive":
+            now += o[2]
+            rid = f"r{len(ids)}"
+            ids.append(rid)
+            new.add(rid, now, o[1])
+            old.add(rid, now, o[1])
+            assert new.route(rid, loads, now) == old.route(rid, loads, now)
+        elif kind in ("report", "drain"):
+            iid = o[1]
+            if kind == "report":
+                reports[iid] = _report(iid, o[2], max(0.0, now - o[3]), reports[iid].state)
+                if o[2] % 3 == 0:  # read through the fresh report before the next broadcast
+                    assert new.backlog_tokens(reports[iid]) == old.backlog_tokens(reports[iid])
+                    continue
+            else:
+                r = reports[iid]
+                reports[iid] = _report(iid, r.tokens_in_flight, r.time,
+                                       InstanceState.DRAINING if o[2] else InstanceState.ACTIVE)
+            loads = list(reports.values())
+        elif kind == "forget_instance":
+            new.forget_instance(o[1])
+            old.forget_instance(o[1])
+        elif ids:
+            rid = ids[o[1] % len(ids)]
+            if kind == "first_token":
+                new.on_tokens(rid, 1, now)
+                old.on_tokens(rid, 1, now)
+            elif kind == "end":
+                new.on_terminal(rid, Phase.FINISHED, now)
+                old.on_terminal(rid, _ref.Phase.FINISHED, now)
+            elif kind == "reroute" and new.get(rid).phase is Phase.PREFILL:
+                new.reroute(rid)
+                old.reroute(rid)
+        for r in loads:
+            assert new.backlog_tokens(r) == old.backlog_tokens(r)
+
+
 def test_burst_routing_work_is_bounded() -> None:
     """A burst between two reports keeps one pending routing per request, and a newer report prunes them all."""
     g = GlobalPolicy()

@@ -33,7 +33,7 @@ from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment, prefill_candidates
 from tetriinfer.core.migration import Detachable
-from tetriinfer.core.request import Request, RequestStatus
+from tetriinfer.core.request import FINISHED_STATUSES, Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
@@ -201,11 +201,18 @@ class _ColocatedBase(Detachable):
 
     def _segments(self, reqs: list[Request]) -> list[ScheduledSegment]:
         block_ids = self.kv.block_ids
-        return [
-            _segment(r, r.num_computed_tokens, len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens,
-                     block_ids(r.request_id))
-            for r in reqs
-        ]
+        segments = []
+        for r in reqs:
+            out_ids = r.output_token_ids
+            n_out = len(out_ids)
+            start = r.num_computed_tokens
+            total = len(r.prompt_token_ids) + n_out
+            if start == total - 1 and n_out:  # a decode row (the common case): ``_segment``'s own fast path, inline
+                segments.append(ScheduledSegment(r.request_id, start, (out_ids[-1],), block_ids(r.request_id), True,
+                                                 r.sampling_params, n_out, r.eos_token_id))
+            else:
+                segments.append(_segment(r, start, total - start, block_ids(r.request_id)))
+        return segments
 
     def _output(
         self, kind: StepKind, segments: list[ScheduledSegment], preempted: list[str] | None = None,
@@ -238,9 +245,16 @@ class _ColocatedBase(Detachable):
             if not seg.sample:
                 continue
             token = sampled[rid]
-            req.append_output(token, logprobs.get(rid) if logprobs else None)
+            status = req.status
+            if status in FINISHED_STATUSES:  # ``append_output``, inline (one call less per row and step)
+                raise RuntimeError(f"request {rid} already finished")
+            req.output_token_ids.append(token)
+            if logprobs:
+                lp = logprobs.get(rid)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
             new_tokens[rid] = token
-            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            if status is RequestStatus.WAITING or status is RequestStatus.PREEMPTED:
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

@@ -52,7 +52,7 @@ from tetriinfer.core.local_scheduler import _segment
 from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
-from tetriinfer.core.step import SchedulerOutput, StepKind, StepResult
+from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
 
 class DecodePolicy(enum.Enum):
@@ -315,19 +315,40 @@ class DecodeScheduler(Detachable):
         swapped_out: list[tuple[str, tuple[int, ...]]] = []
         preempted: list[str] = []
         resumed = self._resume(swapped_in)
-        scheduled: list[Request] = []
+        # One pass, oldest first: each request takes the block its next token needs (preempting the youngest when
+        # none is free) and its segment is built at once: a scheduled request's table no longer changes this step
+        # (victims are always younger than every request scheduled so far).
         kv, target, running = self.kv, self._target, self.running
+        grow, block_ids = kv.grow, kv.block_ids
+        segments: list[ScheduledSegment] = []
+        prefill_budget = self.config.local_prefill_chunk
+        n_prefill = 0
         i = 0
         while i < len(running):
             req = running[i]
             rid = req.request_id
-            if kv.allocate_slots(rid, len(req.prompt_token_ids) + len(req.output_token_ids)):
-                held = kv.num_blocks_of(rid)
+            out_ids = req.output_token_ids
+            n_out = len(out_ids)
+            total = len(req.prompt_token_ids) + n_out
+            held = grow(rid, total)
+            if held >= 0:
                 if held > target[rid]:
                     target[rid] = held
                     self.num_extensions += 1
-                scheduled.append(req)
                 i += 1
+                start = req.num_computed_tokens
+                n = total - start
+                if n == 1 and n_out:  # a decode row (the common case): ``_segment``'s own fast path, inline
+                    segments.append(ScheduledSegment(rid, start, (out_ids[-1],), block_ids(rid), True,
+                                                     req.sampling_params, n_out, req.eos_token_id))
+                    continue
+                if not n_out:  # prefilling here (admit_local): a chunk per step, within the budget
+                    n = min(n, prefill_budget)
+                    if n == 0:
+                        continue  # the budget went to older requests' prompts; it keeps its blocks and waits
+                    prefill_budget -= n
+                n_prefill += n > 1 or start == 0
+                segments.append(_segment(req, start, n, block_ids(rid)))
                 continue
             victim = self.running[-1]
             if victim is req and len(self.running) == 1 and not self.reserved:
@@ -345,19 +366,6 @@ class DecodeScheduler(Detachable):
             self.num_preemptions += 1
             victim.num_preemptions += 1
             preempted.append(victim.request_id)
-        segments = []
-        prefill_budget = self.config.local_prefill_chunk
-        n_prefill = 0
-        for r in scheduled:
-            n = r.num_uncomputed_tokens
-            if not r.output_token_ids:  # prefilling here (admit_local): a chunk per step, within the budget
-                n = min(n, prefill_budget)
-                if n == 0:
-                    continue  # the budget went to older requests' prompts; it keeps its blocks and waits
-                prefill_budget -= n
-            start = r.num_computed_tokens
-            n_prefill += n > 1 or start == 0
-            segments.append(_segment(r, start, n, kv.block_ids(r.request_id)))
         if not segments:
             kind = StepKind.IDLE
         elif n_prefill == 0:
@@ -441,7 +449,12 @@ class DecodeScheduler(Detachable):
             if not seg.sample:
                 continue
             token = sampled[rid]
-            req.append_output(token, logprobs.get(rid) if logprobs else None)
+            # ``append_output``, inline: the request is RUNNING (checked above), so not finished
+            req.output_token_ids.append(token)
+            if logprobs:
+                lp = logprobs.get(rid)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
             new_tokens[rid] = token
             stop = req.check_stop()
             if stop is None and len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:

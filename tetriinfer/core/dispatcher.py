@@ -23,8 +23,9 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from tetriinfer.core.frozen import replace_fields
 from tetriinfer.core.load import (
     DEFAULT_HEAVY_DECODE_TOKENS,
     LoadReport,
@@ -84,13 +85,92 @@ class DispatchDecision:
     choices: tuple[str, ...] = ()
 
 
-class Dispatcher:
-    """Owns only its random generator and round-robin cursor; reads load reports, never mutates them."""
+class _DecodeView:
+    """What ``choose`` derives from one decode-loads sequence, kept while the same sequence is passed again.
 
-    def __init__(self, config: DispatcherConfig) -> None:
+    Invariants: ``cands == accepting(loads, Role.DECODE)``; ``ids`` their instance ids in that order; ``pos`` maps
+    an instance id to its index in ``loads`` and ``cand_pos`` to its index in ``cands``; ``min_free`` is the least
+    ``num_free_blocks`` among ``cands`` and ``block_size`` their common block size (None if they differ or there
+    are none)."""
+
+    __slots__ = ("loads", "size", "cands", "ids", "pos", "cand_pos", "min_free", "block_size")
+
+    def __init__(self, loads: Sequence[LoadReport], cands: list[LoadReport], ids: tuple[str, ...],
+                 pos: dict[str, int], cand_pos: dict[str, int]) -> None:
+        self.loads, self.size, self.cands, self.ids, self.pos, self.cand_pos = loads, len(loads), cands, ids, pos, cand_pos
+        self.min_free = min((r.num_free_blocks for r in cands), default=0)
+        sizes = {r.block_size for r in cands}
+        self.block_size = sizes.pop() if len(sizes) == 1 else None
+
+
+class DecodeViews:
+    """A cache of ``_DecodeView`` by loads sequence, shareable by every dispatcher that reads the same broadcasts
+    (the simulator's prefill instances all receive one list per report interval).
+
+    A sequence is recognized by identity (the cache holds it, so its id cannot be reused) and length: callers must
+    not mutate a sequence in place after passing it (a load broadcast is a new list; ``Dispatcher.charge`` makes a
+    new one). Holds the ``capacity`` most recently added views; a miss only costs the view's O(I log I) build."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._views: dict[int, _DecodeView] = {}
+
+    def get(self, loads: Sequence[LoadReport]) -> _DecodeView:
+        view = self._views.get(id(loads))
+        if view is not None and view.loads is loads and view.size == len(loads):
+            return view
+        cands = accepting(loads, Role.DECODE)
+        pos: dict[str, int] = {}
+        for i, r in enumerate(loads):
+            pos.setdefault(r.instance_id, i)  # the first report of an id, as ``charge_dispatch`` finds it
+        view = _DecodeView(loads, cands, tuple(r.instance_id for r in cands), pos,
+                           {r.instance_id: i for i, r in enumerate(cands)})
+        if len(view.cand_pos) != len(cands):  # an id twice among the candidates: never derived from (see charge)
+            view.cand_pos = {}
+        self._put(view)
+        return view
+
+    def _put(self, view: _DecodeView) -> None:
+        views = self._views
+        views.pop(id(view.loads), None)
+        views[id(view.loads)] = view
+        if len(views) > self.capacity:
+            del views[next(iter(views))]
+
+
+class Dispatcher:
+    """Owns only its random generator and round-robin cursor; reads load reports, never mutates them.
+
+    ``views``: where it keeps what it derives from a loads sequence (share one among dispatchers that read the same
+    broadcasts); decisions are the same with or without a hit."""
+
+    def __init__(self, config: DispatcherConfig, views: DecodeViews | None = None) -> None:
         self.config = config
         self._rng = random.Random(config.seed)
         self._rr = 0
+        self._views = views if views is not None else DecodeViews(capacity=4)
+
+    def charge(self, loads: Sequence[LoadReport], decode_id: str, num_tokens: int,
+               predicted_lower: int | None) -> list[LoadReport]:
+        """``charge_dispatch`` with this dispatcher's heavy threshold (the same new list), in O(I) list copies
+        only: the instance is found through the view of ``loads``, and the new list's view is derived from it."""
+        view = self._views.get(loads)
+        i = view.pos.get(decode_id)
+        out = list(loads)
+        if i is None:
+            return out
+        r = _charged(loads[i], num_tokens, predicted_lower, self.config.heavy_decode_tokens)
+        out[i] = r
+        j = view.cand_pos.get(decode_id)
+        if j is not None and view.cands[j] is loads[i]:  # the charged report is a candidate: derive its view
+            cands = list(view.cands)
+            cands[j] = r
+            derived = _DecodeView.__new__(_DecodeView)
+            derived.loads, derived.size, derived.cands, derived.ids = out, len(out), cands, view.ids
+            derived.pos, derived.cand_pos, derived.block_size = view.pos, view.cand_pos, view.block_size
+            derived.min_free = min(view.min_free, r.num_free_blocks)
+            self._views._put(derived)
+        return out
 
     def choose(
         self, loads: Sequence[LoadReport], prompt_tokens: int, predicted_lower: int | None = None,
@@ -101,7 +181,8 @@ class Dispatcher:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         cfg = self.config
         heavy = is_heavy_decode(predicted_lower, cfg.heavy_decode_tokens)
-        cands = accepting(loads, Role.DECODE)
+        view = self._views.get(loads)
+        cands = view.cands
         if not cands:
             return DispatchDecision(None, "no active decode instance", heavy)
         policy = cfg.policy
@@ -119,20 +200,24 @@ class Dispatcher:
             pick = cands[1 + self._rr % (len(cands) - 1)]
             self._rr += 1
             return DispatchDecision(pick.instance_id, "imbalanced: light", heavy)
-        return self._length_aware(cands, prompt_tokens, predicted_lower, heavy)
+        return self._length_aware(view, prompt_tokens, predicted_lower, heavy)
 
     def _length_aware(
-        self, cands: list[LoadReport], prompt_tokens: int, predicted_lower: int | None, heavy: bool,
+        self, view: _DecodeView, prompt_tokens: int, predicted_lower: int | None, heavy: bool,
     ) -> DispatchDecision:
+        cands = view.cands
         decode_tokens = max(1, predicted_lower or 0)
         # A need above an instance's whole pool is capped at the pool (as the decode reservation is):
         # an empty instance is always in alpha, so a request never waits for memory that cannot exist.
         need = prompt_tokens + decode_tokens  # tokens; each instance's blocks_for_tokens, inline (one pass per request)
-        alpha = [
-            r for r in cands
-            if r.num_free_blocks >= min(r.num_free_blocks + r.num_used_blocks, -(-need // r.block_size))
-        ]
-        alpha_ids = tuple(r.instance_id for r in alpha)
+        if view.block_size is not None and view.min_free >= -(-need // view.block_size):
+            alpha, alpha_ids = cands, view.ids  # every candidate has the blocks: no scan
+        else:
+            alpha = [
+                r for r in cands
+                if r.num_free_blocks >= min(r.num_free_blocks + r.num_used_blocks, -(-need // r.block_size))
+            ]
+            alpha_ids = tuple(r.instance_id for r in alpha)
         if not alpha:
             if self.config.alpha_empty is AlphaEmptyAction.WAIT:
                 return DispatchDecision(None, "alpha empty: wait", heavy)
@@ -163,15 +248,20 @@ def charge_dispatch(
     out = list(loads)
     for i, r in enumerate(out):
         if r.instance_id == decode_id:
-            need = min(r.num_free_blocks, r.blocks_for_tokens(num_tokens + max(1, predicted_lower or 1)))
-            heavy = (predicted_lower or 0) > heavy_decode_tokens
-            out[i] = replace(
-                r,
-                num_free_blocks=r.num_free_blocks - need,
-                num_used_blocks=r.num_used_blocks + need,
-                num_queued=r.num_queued + 1,
-                num_heavy_decodes=r.num_heavy_decodes + int(heavy),
-                num_light_decodes=r.num_light_decodes + int(not heavy),
-            )
+            out[i] = _charged(r, num_tokens, predicted_lower, heavy_decode_tokens)
             break
     return out
+
+
+def _charged(r: LoadReport, num_tokens: int, predicted_lower: int | None, heavy_decode_tokens: int) -> LoadReport:
+    """``r`` charged for one dispatched request (see ``charge_dispatch``)."""
+    need = min(r.num_free_blocks, r.blocks_for_tokens(num_tokens + max(1, predicted_lower or 1)))
+    heavy = (predicted_lower or 0) > heavy_decode_tokens
+    return replace_fields(
+        r,
+        num_free_blocks=r.num_free_blocks - need,
+        num_used_blocks=r.num_used_blocks + need,
+        num_queued=r.num_queued + 1,
+        num_heavy_decodes=r.num_heavy_decodes + int(heavy),
+        num_light_decodes=r.num_light_decodes + int(not heavy),
+    )

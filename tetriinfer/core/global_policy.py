@@ -166,6 +166,29 @@ class _Awaiting:
         self.total -= self.by_id.pop(request_id, 0)
 
 
+class _PrefillIndex:
+    """The least-loaded pick over one ``loads`` sequence, kept as a heap with lazy invalidation.
+
+    Built when ``route`` first sees a sequence (a monitor broadcast); reused while later calls pass the very same
+    object (a broadcast is never mutated in place: a newer one is a new sequence). Only the routings since the
+    reports change a candidate's key, so each route re-keys only the instances whose routings changed (``dirty``).
+
+    Invariants: ``key[iid]`` is candidate ``iid``'s current ``load_key`` (with its routings since the report) for
+    every iid not in ``dirty``; ``heap`` holds ``(key[iid], iid)`` for every candidate, plus stale pairs (a key no
+    longer current) that are dropped when they reach the top; ``horizon[iid]`` is the newest report time for
+    ``iid`` in ``loads`` (what the full scan prunes its routings to)."""
+
+    __slots__ = ("loads", "size", "reports", "horizon", "key", "heap", "dirty")
+
+    def __init__(self, loads: Sequence[LoadReport], reports: dict[str, LoadReport], horizon: dict[str, float],
+                 key: dict[str, tuple[float, int, str]]) -> None:
+        self.loads, self.size = loads, len(loads)
+        self.reports, self.horizon, self.key = reports, horizon, key
+        self.heap = [(k, iid) for iid, k in key.items()]
+        heapq.heapify(self.heap)
+        self.dirty: set[str] = set()
+
+
 class GlobalPolicy:
     def __init__(self, local_prefill: LocalPrefillConfig | None = None,
                  affinity: PrefixAffinity | None = None) -> None:
@@ -176,6 +199,7 @@ class GlobalPolicy:
         # instance -> {request id: prompt tokens} routed there to be prefilled, no first token seen yet
         self._awaiting_first: dict[str, _Awaiting] = {}
         self.num_local_prefills = 0
+        self._index: _PrefillIndex | None = None  # least-loaded pick over the latest loads sequence
 
     def add(
         self, request_id: str, now: float, num_prompt_tokens: int,
@@ -228,6 +252,7 @@ class GlobalPolicy:
     def forget_instance(self, instance_id: str) -> None:
         """The instance left or changed role: its routing history (and cache model) no longer applies."""
         self._routed.pop(instance_id, None)
+        self._changed(instance_id)
         self._awaiting_first.pop(instance_id, None)
         if self.affinity is not None:
             self.affinity.forget(instance_id)
@@ -236,7 +261,52 @@ class GlobalPolicy:
         """Prompt tokens routed to ``report``'s instance after the report was built (amortized O(log n): routings
         a report already covers are dropped for good, as a newer report covers them too)."""
         routed = self._routed.get(report.instance_id)
-        return 0 if routed is None else routed.prune(report.time)
+        if routed is None:
+            return 0
+        before = routed.total
+        after = routed.prune(report.time)
+        if after != before:
+            self._changed(report.instance_id)
+        return after
+
+    def _changed(self, instance_id: str) -> None:
+        """``instance_id``'s routings since its report changed: the pick index re-keys it on the next route."""
+        if self._index is not None:
+            self._index.dirty.add(instance_id)
+
+    def _pick_indexed(self, loads: Sequence[LoadReport]) -> str | None:
+        """``pick_prefill(loads)`` without block names (the same instance), after the same pruning as ``route``'s
+        full scan, in O(log I) per call while ``loads`` is the sequence the index was built on (O(I log I) to
+        build it, once per new sequence). Falls back to the full scan when an instance id repeats in ``loads``."""
+        idx = self._index
+        if idx is None or idx.loads is not loads or idx.size != len(loads):
+            self._index = None
+            horizon: dict[str, float] = {}
+            for r in loads:  # forget routings already reflected in a newer report
+                routed = self._routed.get(r.instance_id)
+                if routed is not None:
+                    routed.prune(r.time)
+                horizon[r.instance_id] = max(r.time, horizon.get(r.instance_id, r.time))
+            if len(horizon) != len(loads):  # the same instance twice: leave it to the full scan
+                return self.pick_prefill(loads)
+            reports = {r.instance_id: r for r in accepting(loads, Role.PREFILL)}
+            key = {iid: load_key(r, extra_tokens=self._extra(r)) for iid, r in reports.items()}
+            idx = self._index = _PrefillIndex(loads, reports, horizon, key)
+        elif idx.dirty:
+            reports, key, heap = idx.reports, idx.key, idx.heap
+            dirty, idx.dirty = idx.dirty, set()
+            for iid in dirty:
+                routed = self._routed.get(iid)
+                if routed is not None and iid in idx.horizon:
+                    routed.prune(idx.horizon[iid])
+                r = reports.get(iid)
+                if r is not None:
+                    k = key[iid] = load_key(r, extra_tokens=0 if routed is None else routed.total)
+                    heapq.heappush(heap, (k, iid))
+        heap, key = idx.heap, idx.key
+        while heap and heap[0][0] != key[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][1] if heap else None
 
     def backlog_tokens(self, report: LoadReport) -> int:
         """Prompt tokens ``report``'s instance still has to prefill (see the module docstring)."""
@@ -280,14 +350,19 @@ class GlobalPolicy:
         rec = self._table[request_id]
         if rec.phase is not Phase.ARRIVED:
             raise ValueError(f"request {request_id!r} is {rec.phase.value}, not arrived")
-        for r in loads:  # forget routings already reflected in a newer report
-            routed = self._routed.get(r.instance_id)
-            if routed is not None:
-                routed.prune(r.time)
-        iid = self.pick_prefill(loads, rec.prefix_digests)
+        if self.affinity is not None and rec.prefix_digests:  # keys depend on this prompt's blocks: full scan
+            self._index = None
+            for r in loads:  # forget routings already reflected in a newer report
+                routed = self._routed.get(r.instance_id)
+                if routed is not None:
+                    routed.prune(r.time)
+            iid = self.pick_prefill(loads, rec.prefix_digests)
+        else:
+            iid = self._pick_indexed(loads)
         local = self.pick_local(rec.num_prompt_tokens, loads, iid)
         if local is not None:
             self._routed.setdefault(local, _RoutedSince()).add(now, rec.num_prompt_tokens)
+            self._changed(local)
             rec.phase = Phase.DECODE
             rec.prefill_instance = rec.decode_instance = local
             self._awaiting_first.setdefault(local, _Awaiting()).add(request_id, rec.num_prompt_tokens)
@@ -297,6 +372,7 @@ class GlobalPolicy:
             return None
         cached = self._cached(iid, rec.prefix_digests)
         self._routed.setdefault(iid, _RoutedSince()).add(now, rec.num_prompt_tokens - cached)
+        self._changed(iid)
         if self.affinity is not None and rec.prefix_digests:
             report = next(r for r in loads if r.instance_id == iid)
             self.affinity.record(iid, rec.prefix_digests, report.num_blocks or None)

@@ -103,6 +103,26 @@ class KVCacheManager:
         self._frozen.pop(request_id, None)
         return True
 
+    def grow(self, request_id: str, num_tokens: int) -> int:
+        """``allocate_slots`` that returns how many blocks the request holds afterwards, or -1 when the pool could
+        not supply them (nothing allocated then): one call per decode row instead of two."""
+        table = self._tables.get(request_id)
+        have = len(table) if table is not None else 0
+        need = -(-num_tokens // self.pool.block_size) - have
+        if need <= 0:
+            if table is None:
+                self._tables[request_id] = []
+            return have
+        blocks = self.pool.allocate(need)
+        if blocks is None:
+            return -1
+        if table is None:
+            self._tables[request_id] = blocks
+        else:
+            table.extend(blocks)
+        self._frozen.pop(request_id, None)
+        return have + need
+
     def free_request(self, request_id: str) -> int:
         """Free every block of the request; returns how many. Unknown ids free nothing. The tail goes to the
         free queue first, so a cached prefix's later blocks are reused before its earlier (more shared) ones."""

@@ -19,11 +19,12 @@ Invariants (checked in ``__post_init__``): every count is ``>= 0``; ``0 <= utili
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from tetriinfer.core.frozen import fast_init, replace_fields
 
 
 class Role(enum.Enum):
@@ -51,6 +52,7 @@ def is_heavy_decode(predicted_lower: int | None, threshold: int = DEFAULT_HEAVY_
     return predicted_lower is not None and predicted_lower > threshold
 
 
+@fast_init
 @dataclass(frozen=True)
 class LoadReport:
     instance_id: str
@@ -70,6 +72,11 @@ class LoadReport:
     step_inflation: float = 0.0  # decode: 1 - batch-1 step time / mean step time (core.step_inflation), in [0, 1]
 
     def __post_init__(self) -> None:
+        if (self.num_queued >= 0 and self.num_running >= 0 and self.num_free_blocks >= 0 and self.num_used_blocks >= 0
+                and self.tokens_in_flight >= 0 and self.num_heavy_decodes >= 0 and self.num_light_decodes >= 0
+                and self.num_prefill_tokens >= 0 and self.block_size >= 1 and 0.0 <= self.utilization <= 1.0
+                and 0.0 <= self.step_inflation <= 1.0):
+            return  # all valid (the common case, one pass); otherwise name the first bad field below
         for name in ("num_queued", "num_running", "num_free_blocks", "num_used_blocks", "tokens_in_flight",
                      "num_heavy_decodes", "num_light_decodes", "num_prefill_tokens"):
             if getattr(self, name) < 0:
@@ -135,7 +142,7 @@ def prefill_instance_report(report: LoadReport, held: int) -> LoadReport:
     """A prefill scheduler's report for its instance: ``held`` prefilled requests whose KV the instance still
     holds outside the scheduler (staged for transfer, or kept to decode here) count as running. Used by the
     runtime's prefill worker and the simulator's prefill instance alike."""
-    return dataclasses.replace(report, num_running=report.num_running + held) if held else report
+    return replace_fields(report, num_running=report.num_running + held) if held else report
 
 
 def decode_instance_report(report: LoadReport, waiting: int, waiting_prompt_tokens: int,
@@ -143,6 +150,6 @@ def decode_instance_report(report: LoadReport, waiting: int, waiting_prompt_toke
     """A decode scheduler's report for its instance: ``waiting`` requests not admitted yet (handoffs and local
     prefills waiting for blocks) count as queued, their prompt tokens (local prefills) as prefill work, and the
     instance's step inflation (``core.step_inflation``) is attached. Used by the runtime and the simulator."""
-    return dataclasses.replace(report, num_queued=report.num_queued + waiting,
+    return replace_fields(report, num_queued=report.num_queued + waiting,
                                num_prefill_tokens=report.num_prefill_tokens + waiting_prompt_tokens,
                                step_inflation=step_inflation)

@@ -27,15 +27,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self in FINISHED_STATUSES
 
 
-_FINISHED = {
+FINISHED_STATUSES = frozenset({
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_FAILED,
-}
+})
 
 FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",

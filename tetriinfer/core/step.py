@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tetriinfer.core.frozen import fast_init
 from tetriinfer.core.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class StepKind(enum.Enum):
     MIXED = "mixed"  # decodes + prefill chunks under one token budget (Sarathi-Serve)
 
 
+@fast_init
 @dataclass(frozen=True)
 class ScheduledSegment:
     """Compute K/V (and hidden states) for positions ``[start, start + len(token_ids))`` of one request.
@@ -45,6 +47,7 @@ class ScheduledSegment:
         return self.start + len(self.token_ids)
 
 
+@fast_init
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One step's work. ``num_padding_tokens`` pads a prefill chunk up to the fixed chunk size.
@@ -76,9 +79,13 @@ class SchedulerOutput:
     @property
     def is_decode_only(self) -> bool:
         """Non-empty, and every segment is one new token continuing a request (no prompt tokens)."""
-        return bool(self.segments) and all(s.num_tokens == 1 and s.start > 0 and s.sample for s in self.segments)
+        for s in self.segments:  # one plain loop: this runs once per decode step
+            if len(s.token_ids) != 1 or s.start <= 0 or not s.sample:
+                return False
+        return bool(self.segments)
 
 
+@fast_init
 @dataclass(frozen=True)
 class StepResult:
     """What the executor computed for one ``SchedulerOutput``.

@@ -27,6 +27,7 @@ from typing import Any
 
 from tetriinfer.bench.metrics import RequestRecord
 from tetriinfer.bench.workloads import Workload, WorkloadRequest
+from tetriinfer.core.dispatcher import DecodeViews
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.kv_cache_manager import KVCacheManager
@@ -175,6 +176,7 @@ class SimCluster:
         self.migration = MigrationPlanner(c.migration_config())
         self.migration_log: dict[str, Any] = {"moves": 0, "moved": 0, "returned": 0, "bytes": 0,
                                               "moved_by_reason": {}}
+        self.decode_views = DecodeViews()  # what prefill instances' dispatchers derive from each decode broadcast
         self.instances: dict[str, SimInstance] = {}
         self._next_id: dict[str, int] = {}
         self._started_at: dict[str, float] = {}
@@ -350,15 +352,15 @@ class SimCluster:
     # ---- Host: called by instances ----------------------------------------------------------
     def on_tokens(self, new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None:
         now = self.loop.now
+        tracked, streamed = self._tracked, self.policy.on_tokens
         for rid in new_tokens:
-            t = self._tracked[rid]
-            rec = t.record
+            rec = tracked[rid].record
             if rec.first_token_s is None:
                 rec.first_token_s = now
             rec.chunk_times_s.append(now)
             rec.chunk_tokens.append(1)
             rec.output_tokens += 1
-            self.policy.on_tokens(rid, 1, now)
+            streamed(rid, 1, now)
         for req in finished:  # ended by length (max_tokens, or the model's context): delivered, complete
             if req.status is not RequestStatus.FINISHED_ABORTED:
                 self._end(req.request_id, success=True, reason=None)

@@ -28,7 +28,7 @@ class EventLoop:
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         if delay < 0:
             raise ValueError(f"delay must be >= 0, got {delay}")
-        self.at(self.now + delay, fn)
+        heapq.heappush(self._heap, (self.now + delay, next(self._seq), fn))  # ``at``, inline: never in the past
 
     @property
     def pending(self) -> int:
@@ -38,14 +38,17 @@ class EventLoop:
         """Run events in time order until none is left, the next is after ``until`` (then ``now = until``), or
         ``max_events`` ran. Returns the number of events run."""
         ran = 0
-        while self._heap:
-            when = self._heap[0][0]
-            if until is not None and when > until:
-                self.now = max(self.now, until)
+        heap, pop = self._heap, heapq.heappop
+        limit = float("inf") if until is None else until
+        cap = float("inf") if max_events is None else max_events
+        while heap:
+            when = heap[0][0]
+            if when > limit:
+                self.now = max(self.now, limit)
                 break
-            if max_events is not None and ran >= max_events:
+            if ran >= cap:
                 break
-            _, _, fn = heapq.heappop(self._heap)
+            _, _, fn = pop(heap)
             self.now = when
             fn()
             ran += 1

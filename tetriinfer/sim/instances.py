@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from tetriinfer.core.colocated_scheduler import (
@@ -25,7 +25,8 @@ from tetriinfer.core.colocated_scheduler import (
     make_colocated_scheduler,
 )
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
-from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig, charge_dispatch
+from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
+from tetriinfer.core.frozen import replace_fields
 from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import (
@@ -191,7 +192,8 @@ class SimPrefill(SimInstance):
             kv,
         )
         self.dispatcher = Dispatcher(DispatcherConfig(policy=pol.dispatch_policy,
-                                                      heavy_decode_tokens=pol.heavy_decode_tokens, seed=pol.seed))
+                                                      heavy_decode_tokens=pol.heavy_decode_tokens, seed=pol.seed),
+                                     views=getattr(host, "decode_views", None))  # shared: one broadcast, one view
         self.keep_config = KeepDecodeConfig(enabled=pol.keep_decode, ratio=pol.keep_decode_ratio)
         self.kept = DecodeScheduler(
             DecodeSchedulerConfig(policy="greedy", max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len,
@@ -278,8 +280,8 @@ class SimPrefill(SimInstance):
         if decision.instance_id is None:
             self.awaiting.append((req, num_blocks))
             return
-        self.decode_loads = charge_dispatch(self.decode_loads, decision.instance_id, req.num_tokens,
-                                            req.predicted_lower, self.pol.heavy_decode_tokens)
+        self.decode_loads = self.dispatcher.charge(self.decode_loads, decision.instance_id, req.num_tokens,
+                                                   req.predicted_lower)  # ``charge_dispatch``, found in O(1)
         self.host.on_dispatched(req.request_id, decision.instance_id)
         self.host.handoff(self.iid, decision.instance_id, req, num_blocks)
 
@@ -442,5 +444,5 @@ class SimColocated(SimInstance):
 
     def report(self, now: float, utilization: float) -> LoadReport:
         rep = colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
-        return replace(rep, step_inflation=self.inflation.take())
+        return replace_fields(rep, step_inflation=self.inflation.take())
 

@@ -1,0 +1,55 @@
+"""A faster ``__init__`` for frozen dataclasses built once per step or per report.
+
+``dataclasses`` gives a frozen class an ``__init__`` that stores each field through ``object.__setattr__`` (a
+call per field); ``fast_init`` replaces it with one that writes the instance ``__dict__`` directly. Everything
+else the decorator made stays as it was: the same signature (field order, defaults, default factories,
+keyword use), ``__post_init__`` still runs last, equality, hashing, ``repr``, ``dataclasses.replace`` and the
+refusal to assign to a field after construction (the class's ``__setattr__`` is untouched).
+
+Invariant: an instance built by the fast ``__init__`` is indistinguishable from one built by the generated
+one (same ``__dict__``, same validation); only classes without ``__slots__`` and without ``InitVar`` or
+``init=False`` fields are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def fast_init(cls: type[T]) -> type[T]:
+    """Give the frozen dataclass ``cls`` a ``__dict__``-writing ``__init__`` (see the module docstring)."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    if "__slots__" in cls.__dict__ or any(not f.init for f in fields):
+        raise TypeError(f"{cls.__name__}: fast_init needs a dataclass without __slots__ or init=False fields")
+    env: dict[str, Any] = {"MISSING": dataclasses.MISSING}
+    params, body = [], []
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            env[f"_dflt_{f.name}"] = f.default
+            params.append(f"{f.name}=_dflt_{f.name}")
+            body.append(f"d[{f.name!r}] = {f.name}")
+        elif f.default_factory is not dataclasses.MISSING:
+            env[f"_fact_{f.name}"] = f.default_factory
+            params.append(f"{f.name}=MISSING")
+            body.append(f"d[{f.name!r}] = _fact_{f.name}() if {f.name} is MISSING else {f.name}")
+        else:
+            params.append(f.name)
+            body.append(f"d[{f.name!r}] = {f.name}")
+    if hasattr(cls, "__post_init__"):
+        body.append("self.__post_init__()")
+    src = f"def __init__(self, {', '.join(params)}):\n    d = self.__dict__\n    " + "\n    ".join(body)
+    exec(src, env)  # noqa: S102 - code built from the class's own field names only
+    init = env["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__init__.__doc__
+    cls.__init__ = init  # type: ignore[misc]
+    return cls
+
+
+def replace_fields(obj: T, **changes: Any) -> T:
+    """``dataclasses.replace`` for a ``fast_init`` class: a new instance with ``changes`` applied, validated again
+    by its ``__post_init__`` (the instance ``__dict__`` holds exactly the fields, so no field list is walked)."""
+    return type(obj)(**{**obj.__dict__, **changes})
