@@ -91,17 +91,28 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "prefill forward to end), auto: pull on shm, push elsewhere")
     p.add_argument("--link-bandwidth", default=None, help="emulate a link, e.g. 200Gbps, 300GB/s")
     p.add_argument("--transfer-timeout", type=float, default=10.0)
-    p.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--pd-controller", default=None, choices=["adaptive", "paper", "static"],
+                   help="what moves the prefill:decode split (disaggregated modes): adaptive = flips that follow "
+                        "the prefill backlog and decode memory, decodes kept at prefill instances and prompts "
+                        "prefilled at decode instances by cost; paper = the paper's idle-instance flip rule; "
+                        "static = the fixed split. Default: adaptive for --mode tetriinfer, else static "
+                        "(docs/scheduling.md)")
+    p.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
                         "tier's backlog exceeds the interference that costs (disaggregated modes)")
     p.add_argument("--local-prefill-weight", type=float, default=0.25,
                    help="weight of the running decodes' delay against the request's own wait (0: TTFT only)")
-    p.add_argument("--keep-decode", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--keep-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="the reverse of --local-prefill: a prefill instance with no prompt queued keeps a request it "
                         "just prefilled and decodes it itself (no KV transfer) while its own decodes are fewer than "
                         "--keep-decode-ratio x the least-loaded decode instance's; prefill keeps priority there")
     p.add_argument("--keep-decode-ratio", type=float, default=0.5)
-    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--keep-decode-rule", default=None, choices=["ratio", "cost"],
+                   help="when a prefill instance keeps a decode: ratio (--keep-decode-ratio) or cost (the decode "
+                        "tier's memory is tighter than here); default: cost under --pd-controller adaptive")
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                   help="flip instances between roles (default: on unless --pd-controller static; --flip alone "
+                        "means the paper's rule)")
     p.add_argument("--flip-threshold", type=float, default=0.1)
     p.add_argument("--flip-window", type=float, default=2.0)
     p.add_argument("--flip-busy-threshold", type=float, default=0.5,
@@ -171,10 +182,27 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     faults.add_argument("--fault-corrupt-p", type=float, default=0.0)
 
 
+def resolve_pd_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """``--pd-controller`` and the flags it sets by default (explicit flags win): adaptive turns flips,
+    cost-based keep-decode and local prefill (not with prefix caching) on; ``--flip`` alone means the paper's rule."""
+    controller = args.pd_controller or ("paper" if args.flip else "adaptive" if args.mode == "tetriinfer" else "static")
+    adaptive = controller == "adaptive"
+    return {
+        "pd_controller": controller,
+        "flip": args.flip if args.flip is not None else controller != "static",
+        "keep_decode": args.keep_decode if args.keep_decode is not None else adaptive and args.prefill_rt_priority is None,
+        "keep_decode_rule": args.keep_decode_rule or ("cost" if adaptive else "ratio"),
+        # prompts whose blocks a prefill instance's prefix cache holds are cheaper there than prefilled locally
+        "local_prefill": args.local_prefill if args.local_prefill is not None else adaptive and not
+        args.enable_prefix_caching,
+    }
+
+
 def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
     from tetriinfer.runtime.cluster_config import ClusterConfig
 
-    return ClusterConfig(
+    pd = resolve_pd_defaults(args)
+    return ClusterConfig(**pd,
         model=model, mode=args.mode, dtype=args.dtype, device=args.device, load_format=args.load_format,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
         instances=args.instances, chunk_size=args.chunk_size, chunk_padding=args.chunk_padding,
@@ -189,9 +217,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str) -> Any:
         predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, kv_handoff=args.kv_handoff,
         link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
-        local_prefill=args.local_prefill, local_prefill_weight=args.local_prefill_weight,
-        keep_decode=args.keep_decode, keep_decode_ratio=args.keep_decode_ratio,
-        flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
+        local_prefill_weight=args.local_prefill_weight, keep_decode_ratio=args.keep_decode_ratio,
+        flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
         flip_idle_by=args.flip_idle_by,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance,
