@@ -1,4 +1,4 @@
-"""A load that shifts: workload phases played one after the other (``shift:hpld,lphd,hpld``).
+"""A load that shifts: workload phases played one after the other (``shift:hpld+lphd+hpld``).
 
 Each phase is one of the bench's workloads (``bench.workloads.load_workload``) with an equal share of the
 requests at the same rate; phase ``k`` starts when phase ``k - 1``'s last request has arrived. Request ids
@@ -17,10 +17,10 @@ SHIFT_PREFIX = "shift:"
 
 
 def phase_names(name: str) -> list[str]:
-    """``shift:a,b,c`` -> ``[a, b, c]`` (at least two phases)."""
+    """``shift:a+b+c`` -> ``[a, b, c]`` (at least two phases)."""
     if not name.lower().startswith(SHIFT_PREFIX):
-        raise ValueError(f"a shifting workload is named {SHIFT_PREFIX}A,B[,...], got {name!r}")
-    phases = [p.strip() for p in name[len(SHIFT_PREFIX):].split(",") if p.strip()]
+        raise ValueError(f"a shifting workload is named {SHIFT_PREFIX}A+B[+...], got {name!r}")
+    phases = [p.strip() for p in name[len(SHIFT_PREFIX):].split("+") if p.strip()]
     if len(phases) < 2:
         raise ValueError(f"{name!r}: a shifting workload needs at least two phases")
     if any(p.lower().startswith((SHIFT_PREFIX, "trace:")) for p in phases):
