@@ -85,6 +85,8 @@ class TierState:
 
     def cost(self, p: int, d: int) -> float:
         """``J(p, d)``: modelled requests in the system with ``p`` prefill and ``d`` decode instances."""
+        if p < 1 or d < 1:
+            raise ValueError(f"a split needs at least one instance per role, got {p}:{d}")
         def f_p(n: int) -> float:
             return queue_factor(self.prefill_offered / n)
 
