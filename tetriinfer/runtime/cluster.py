@@ -914,6 +914,8 @@ class ClusterEngineClient:
             "mode": self.config.mode,
             "instances": out,
             "flips": list(self.flip_log),
+            "pd_controller": self.config.pd_controller if self.config.flip else "static",
+            "split": [{"time": t, "prefill": p, "decode": d} for t, p, d in self.flip_policy.timeline],
             "scaling": list(self.scale_log),
             "transfers": dict(self.transfer_log),
             "predictor": dict(self.predictor_log),
