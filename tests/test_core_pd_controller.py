@@ -159,10 +159,14 @@ def test_static_never_flips_and_paper_keeps_the_idle_rule() -> None:
 def test_cost_rule_keeps_decodes_only_when_the_decode_tier_is_tighter() -> None:
     cfg = KeepDecodeConfig(enabled=True, rule="cost")
     full = LoadReport("d", Role.DECODE, num_running=5, num_used_blocks=380, num_free_blocks=20)
-    roomy = LoadReport("d", Role.DECODE, num_running=5, num_used_blocks=40, num_free_blocks=360)
-    kw = dict(own_running=1, own_committed_blocks=50, request_blocks=40, pool_blocks=400)
-    assert should_keep(cfg, own_queued=0, decode_loads=[full], **kw)
-    assert not should_keep(cfg, own_queued=0, decode_loads=[roomy], **kw)  # disaggregate while decode has room
+    roomy = LoadReport("d", Role.DECODE, num_running=2, num_used_blocks=40, num_free_blocks=360)
+    busy = LoadReport("d", Role.DECODE, num_running=6, num_used_blocks=40, num_free_blocks=360)
+    kw = dict(own_running=2, own_committed_blocks=50, request_blocks=40, pool_blocks=400)
+    assert should_keep(cfg, own_queued=0, decode_loads=[full], **kw)  # the decode pool is the tighter one
+    assert not should_keep(cfg, own_queued=0, decode_loads=[roomy], **kw)  # as many kept here as decoding there
+    assert should_keep(cfg, own_queued=0, decode_loads=[busy], **kw)  # share a bigger batch
+    assert not should_keep(KeepDecodeConfig(enabled=True, rule="cost", min_step_inflation=0.3), own_queued=0,
+                           decode_loads=[busy], **kw)  # ... only once batching slows its steps that much
     assert not should_keep(cfg, own_queued=1, decode_loads=[full], **kw)  # prompts wait here: stay a prefill
     assert not should_keep(cfg, own_queued=0, decode_loads=[full], own_running=1, own_committed_blocks=330,
                            request_blocks=40, pool_blocks=400)  # over 90% of its own pool

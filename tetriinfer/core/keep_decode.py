@@ -21,7 +21,10 @@ instance would be at least ``min_decode_pressure`` with this request added (``co
 + its blocks), and this instance's kept decodes at full length, this one included, would fill a smaller share
 of its pool than that (and at most ``cost_max_kv_fraction`` of it). A decode tier with memory to spare gets
 every request (no interference with prompts here); a full one shares its decodes with the prefill instance,
-which a fixed split cannot do (on two instances a 1:1 split halves the KV capacity for decodes).
+which a fixed split cannot do (on two instances a 1:1 split halves the KV capacity for decodes). The same
+holds for compute: when the least loaded decode instance's steps are inflated by batching (``step_inflation``
+at least ``min_step_inflation``), a request is kept while this instance runs fewer kept decodes than that
+instance runs decodes (and its kept KV stays below half its pool, or the decode tier's pressure if higher).
 
 Invariants: pure (``decode_loads`` and counts are passed in); never keeps while prompts wait here; never
 commits more than ``max_kv_fraction`` (``cost_max_kv_fraction`` under the cost rule) of the pool to kept
@@ -47,6 +50,7 @@ class KeepDecodeConfig:
     max_kv_fraction: float = 0.5
     rule: str = "ratio"  # ratio | cost (see the module docstring)
     min_decode_pressure: float = 0.5
+    min_step_inflation: float = 0.0
     cost_max_kv_fraction: float = 0.9
 
     def __post_init__(self) -> None:
@@ -54,6 +58,8 @@ class KeepDecodeConfig:
             raise ValueError(f"keep-decode rule must be one of {', '.join(KEEP_RULES)}, got {self.rule!r}")
         if not 0.0 <= self.min_decode_pressure <= 2.0:
             raise ValueError(f"keep-decode min_decode_pressure must be in [0, 2], got {self.min_decode_pressure}")
+        if not 0.0 <= self.min_step_inflation <= 1.0:
+            raise ValueError(f"keep-decode min_step_inflation must be in [0, 1], got {self.min_step_inflation}")
         if not 0.0 < self.cost_max_kv_fraction <= 1.0:
             raise ValueError(f"keep-decode cost_max_kv_fraction must be in (0, 1], got {self.cost_max_kv_fraction}")
         if not self.ratio > 0:
@@ -85,8 +91,12 @@ def should_keep(
     if not active:
         return False  # no decode tier to compare with: the dispatcher's own waiting rule applies
     if config.rule == "cost":
-        decode_after = min(kv_pressure(r) + request_blocks / max(1, r.num_blocks) for r in active)
+        least = min(active, key=lambda r: (kv_pressure(r), r.num_running + r.num_queued, r.instance_id))
+        kv_after = kv_pressure(least) + request_blocks / max(1, least.num_blocks)
         own_after = (own_committed_blocks + request_blocks) / pool_blocks
-        return decode_after >= config.min_decode_pressure and own_after < decode_after
+        if kv_after >= config.min_decode_pressure and own_after < kv_after:
+            return True  # memory-bound decode tier: share the pools
+        return (least.step_inflation >= config.min_step_inflation and own_after < max(kv_after, 0.5)
+                and own_running + 1 <= least.num_running)  # compute-bound: share the batch
     least = min(r.num_running + r.num_queued for r in active)
     return own_running + 1 <= config.ratio * least
