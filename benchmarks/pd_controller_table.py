@@ -57,7 +57,11 @@ def main() -> int:
     ap.add_argument("results", nargs="+")
     ap.add_argument("--column", default="tetriinfer")
     ap.add_argument("--baseline", default=None, help="default: the run's own baseline (meta.baseline)")
+    ap.add_argument("--versus", default=None, metavar="COLUMN",
+                    help="also show this column's changes (e.g. static, the fixed split) beside each cell")
     args = ap.parse_args()
+    if args.versus:
+        return versus(args)
     print("| run | cell | TTFT | JCT | perf/$ (busy) | perf/$ (provisioned) | flips | kept | local prefills | goals |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     met = total = 0
@@ -71,6 +75,27 @@ def main() -> int:
                   f"{fmt(r['ppd'], 'x')} | {fmt(r['prov'], 'x')} | {r['flips']} | {r['kept']} | {r['local']} | "
                   f"{'met' if r['met'] else '**not met**'} |")
     print(f"\n{met} of {total} cells meet every goal.")
+    return 0
+
+
+def versus(args: argparse.Namespace) -> int:
+    print(f"| run | cell | TTFT | JCT | perf/$ (busy / provisioned) | {args.versus} TTFT | {args.versus} JCT | "
+          f"{args.versus} perf/$ (busy / provisioned) | goals |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    met = total = 0
+    for path in args.results:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+        baseline = args.baseline or result.get("meta", {}).get("baseline", "colocated")
+        other = {r["cell"]: r for r in rows(result, args.versus, baseline)}
+        for r in rows(result, args.column, baseline):
+            o = other.get(r["cell"], {})
+            total += 1
+            met += r["met"]
+            print(f"| {Path(path).stem} | {r['cell']} | {fmt(r['ttft'], 'pct')} | {fmt(r['jct'], 'pct')} | "
+                  f"{fmt(r['ppd'], 'x')} / {fmt(r['prov'], 'x')} | {fmt(o.get('ttft'), 'pct')} | "
+                  f"{fmt(o.get('jct'), 'pct')} | {fmt(o.get('ppd'), 'x')} / {fmt(o.get('prov'), 'x')} | "
+                  f"{'met' if r['met'] else '**not met**'} |")
+    print(f"\n{met} of {total} cells meet every goal ({args.column}).")
     return 0
 
 
