@@ -247,3 +247,22 @@ def test_sim_side_by_side_measures_against_the_chosen_baseline() -> None:
     details = result["meta"]["details"]["lphd"]
     assert details[VLLM1]["busy_per_instance_s"].keys() == {"instance-0"}  # one colocated instance
     assert details["colocated"]["perf_per_dollar_provisioned"] is not None
+
+
+def test_work_counts_by_kind_not_by_the_instances_role() -> None:
+    """A prefill instance busy decoding the requests it kept (no prompt queued) offers no prefill work and
+    its held requests are decodes; a decode instance's local prompt backlog is prefill work waiting."""
+    ctl = PDController(PDControllerConfig(smoothing_s=0.0))
+    reports = [
+        LoadReport("p0", Role.PREFILL, num_running=12, utilization=1.0, num_free_blocks=100),
+        LoadReport("p1", Role.PREFILL, num_queued=2, num_prefill_tokens=1024, utilization=0.5, num_free_blocks=100),
+        LoadReport("d0", Role.DECODE, num_running=20, num_queued=3, num_prefill_tokens=2048, num_used_blocks=40,
+                   num_free_blocks=60, step_inflation=0.2),
+    ]
+    ctl.observe(reports, 0.0)
+    s = ctl.tier_state()
+    assert s is not None and (s.n_prefill, s.n_decode) == (2, 1)
+    # p0's busy time was decoding: only p1's busy fraction and the queued tokens (1024 + 2048 of 4096) count
+    assert s.prefill_offered == pytest.approx(0.5 + 0.25 + 0.5)
+    assert s.waiting_prefill == pytest.approx(2 + 3)  # p1's queue and d0's local prompts
+    assert s.in_decode == pytest.approx(12 + 20)  # p0's kept decodes and d0's running ones

@@ -7,10 +7,12 @@ policies (``PD_POLICIES``):
 
 - ``adaptive`` (the default of ``--mode tetriinfer``): picks the split that minimizes the requests in the
   system, i.e. mean JCT by Little's law (same arrival rate through both stages). From the reports, smoothed
-  over ``smoothing_s`` (exponential moving average): ``N_P`` = requests waiting for or in prefill (prefill
-  instances' queues), ``N_D`` = requests in decode (decode instances' running + queued), the prefill tier's
-  offered load ``A`` = sum over prefill instances of (busy fraction + queued prompt tokens /
-  ``backlog_full_tokens``, the backlog term capped at 1), the decode step inflation ``i``
+  over ``smoothing_s`` (exponential moving average), counting work by kind wherever it runs (conditional
+  disaggregation moves prompts to decode instances and decodes to prefill instances): ``N_P`` = requests
+  waiting for prefill (prefill instances' queues and decode instances' local prompts), ``N_D`` = requests in
+  decode (decode instances' running + queued handoffs, and the requests prefill instances hold), the prefill
+  offered load ``A`` = prefill instances' busy fraction while prompts wait there + every instance's queued
+  prompt tokens / ``backlog_full_tokens`` (capped at 1 each), the decode step inflation ``i``
   (``core.step_inflation``: a step at the current batch is ``1 / (1 - i)`` times a batch-1 step) and the
   decode KV pressure ``k`` (KV usage with queued requests counted, ``kv_pressure``). With ``p`` prefill and
   ``d`` decode instances (``p0``, ``d0`` now) the model is
@@ -139,7 +141,7 @@ class PDController:
             flip_cfg = FlipConfig(enabled=False, min_per_role=config.min_per_role)
         self.flips = FlipPolicy(flip_cfg)
         self._smooth: dict[str, float] = {}  # instance id -> smoothed load in its current role
-        self._vec: dict[str, tuple[float, float, float, float]] = {}  # instance id -> smoothed _features
+        self._vec: dict[str, tuple[float, ...]] = {}  # instance id -> smoothed _features
         self._smooth_at: dict[str, float] = {}
         self._last_decision = -math.inf
         self.timeline: list[tuple[float, int, int]] = []
@@ -204,11 +206,26 @@ class PDController:
             self._last_decision = now
         return commands
 
-    def _features(self, r: LoadReport, role: Role) -> tuple[float, float, float, float]:
-        """(load, requests in this stage, step inflation, KV pressure) of one report."""
+    def _features(self, r: LoadReport, role: Role) -> tuple[float, float, float, float, float, float]:
+        """(load in its role, prefill work offered here, requests waiting for prefill here, requests decoding
+        here, step inflation, KV pressure) of one report.
+
+        Work is counted by kind, not by the instance's role: with conditional disaggregation a prefill
+        instance decodes the requests it keeps (``num_running`` counts them with the staged ones) and a decode
+        instance prefills prompts locally (``num_prefill_tokens``). Counting a prefill instance's busy time
+        spent on kept decodes as prefill load, and local prompts as decode work, hides a shift of the load
+        from the model: the tier that should grow looks idle. So a prefill instance's busy fraction counts
+        as prefill work only while prompts wait there (prefill has priority, so with none queued it was
+        decoding), its held requests count as decodes, and a decode instance's local prompt backlog counts as
+        prefill work."""
+        backlog = min(1.0, r.num_prefill_tokens / self.config.backlog_full_tokens)
         if role is Role.PREFILL:
-            return (prefill_load(r, self.config.backlog_full_tokens), float(r.num_queued), 0.0, 0.0)
-        return (decode_load(r), float(r.num_running + r.num_queued), r.step_inflation, kv_pressure(r))
+            busy = r.utilization if r.num_queued > 0 or r.num_running == 0 else 0.0
+            return (prefill_load(r, self.config.backlog_full_tokens), busy + backlog, float(r.num_queued),
+                    float(r.num_running), 0.0, 0.0)
+        local = float(r.num_queued) if r.num_prefill_tokens > 0 else 0.0
+        return (decode_load(r), backlog, local, float(r.num_running + r.num_queued) - local, r.step_inflation,
+                kv_pressure(r))
 
     def _update_smoothing(self, reports: Sequence[LoadReport], now: float) -> None:
         tau = self.config.smoothing_s
@@ -237,10 +254,11 @@ class PDController:
                if self.flips.role(iid) is Role.DECODE and self.flips.state(iid) is InstanceState.ACTIVE]
         if not pre or not dec:
             return None
+        both = pre + dec
         return TierState(
-            n_prefill=len(pre), n_decode=len(dec), waiting_prefill=sum(v[1] for v in pre),
-            in_decode=sum(v[1] for v in dec), prefill_offered=sum(v[0] for v in pre),
-            inflation=sum(v[2] for v in dec) / len(dec), kv_pressure=sum(v[3] for v in dec) / len(dec))
+            n_prefill=len(pre), n_decode=len(dec), waiting_prefill=sum(v[2] for v in both),
+            in_decode=sum(v[3] for v in both), prefill_offered=sum(v[1] for v in both),
+            inflation=sum(v[4] for v in dec) / len(dec), kv_pressure=sum(v[5] for v in dec) / len(dec))
 
     def _choose(self, reports: Sequence[LoadReport]) -> str | None:
         cfg = self.config
