@@ -1,6 +1,6 @@
 """The P:D controller: one policy object that keeps the prefill:decode split following the load.
 
-Run by the cluster monitor (the runtime's and the simulator's alike) on every round of load reports; pure
+Run by the cluster monitor (the runtime's and the simulator's alike) on every batch of load reports; pure
 (time is passed in, no clock, no I/O). It owns each instance's role and flip state through a ``FlipPolicy``
 (the drain -> switch state machine and its records) and decides *which* flips to start by one of three named
 policies (``PD_POLICIES``):
@@ -188,7 +188,7 @@ class PDController:
         return out
 
     def observe(self, reports: Sequence[LoadReport], now: float) -> list[FlipCommand]:
-        """One monitor round: switch commands for drained instances, and at most one new drain."""
+        """One monitor pass: switch commands for drained instances, and at most one new drain."""
         commands = self.flips.observe(reports, now)  # registers new instances; DRAINING -> FLIPPING
         if not self.timeline:
             self._note_split(now)
