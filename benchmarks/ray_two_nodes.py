@@ -194,7 +194,8 @@ def main() -> int:
         port = 8000
         serve = subprocess.Popen(
             in_ns(HOSTS[0], sys.executable, "-m", "tetriinfer.cli", "serve", "--model", model, "--port", str(port),
-                  "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--kv-backend",
+                  "--mode", "tetriinfer", "--pd-controller", "static", "--prefill-instances", "1",
+                  "--decode-instances", "1", "--kv-backend",
                   "tcp", "--kv-cache-memory-gb", "0.25", "--launcher", "ray", "--ray-address", head,
                   "--startup-timeout", str(args.startup_timeout)),
             env=env, stdout=logs["serve"], stderr=subprocess.STDOUT)

@@ -44,8 +44,10 @@ def test_perf_per_dollar_reproduces_the_papers_table(workload: str) -> None:
 def test_perf_per_dollar_exact_and_undefined() -> None:
     # JCT halves (reduction 0.5) on 80% of the resources: 1.5 / 0.8
     assert sbs.perf_per_dollar(5.0, 10.0, 8.0, 10.0) == pytest.approx(1.875)
-    # slower and costlier than the baseline: below 1
-    assert sbs.perf_per_dollar(12.0, 10.0, 11.0, 10.0) == pytest.approx(0.8 / 1.1)
+    # slower and costlier than the baseline: below 1 (speed = jct_base / jct once slower)
+    assert sbs.perf_per_dollar(12.0, 10.0, 11.0, 10.0) == pytest.approx(10.0 / 12.0 / 1.1)
+    # JCT 2.5x: the paper's form would be negative; this stays positive (0.4 on equal resources)
+    assert sbs.perf_per_dollar(25.0, 10.0, 10.0, 10.0) == pytest.approx(0.4)
     assert sbs.perf_per_dollar(None, 10.0, 8.0, 10.0) is None
     assert sbs.perf_per_dollar(5.0, 10.0, None, 10.0) is None
     assert sbs.perf_per_dollar(5.0, 0.0, 8.0, 10.0) is None

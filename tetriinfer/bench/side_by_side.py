@@ -12,8 +12,11 @@ Definitions (all relative metrics are against the ``colocated`` column, the pape
   the workload (``GET /cluster`` ``busy_s`` read when the server is idle before and after the workload).
 - ``JCT reduction`` = ``1 - jct_mean / jct_mean_colocated``; ``resource ratio`` =
   ``resource_s / resource_s_colocated``.
-- ``perf_per_dollar`` = ``(1 + JCT reduction) / resource ratio`` (the form the paper's Figure 12 numbers fit;
-  1.0 for the baseline itself; None when either side is undefined).
+- ``perf_per_dollar`` = ``speed / resource ratio`` with ``r = jct_mean / jct_mean_colocated`` and
+  ``speed = 2 - r`` when ``r <= 1`` (= ``1 + JCT reduction``, the form the paper's Figure 12 numbers fit) and
+  ``1 / r`` when ``r > 1`` (the paper's form reaches 0 when JCT doubles and goes negative beyond; ``1 / r``
+  meets it with the same value and slope at ``r = 1`` and stays positive: a column twice as slow is worth
+  half). 1.0 for the baseline itself; None when either side is undefined.
 - ``goodput_per_instance_s`` = requests that met every SLO / (instances x run duration): good requests per
   provisioned instance-second (without SLOs, every completed request counts).
 - ``--rate auto``: the *probe* runs on the colocated column first. For each workload it sends
@@ -291,7 +294,9 @@ def layout_args(mode: str, instances: int, prefill_instances: int) -> list[str]:
 def perf_per_dollar(
     jct_mean: float | None, jct_base: float | None, resource_s: float | None, resource_base: float | None
 ) -> float | None:
-    """The paper's perf/$ vs the baseline: ``(1 + (1 - jct/jct_base)) / (resource/resource_base)``.
+    """perf/$ vs the baseline: ``speed / (resource/resource_base)``, ``r = jct/jct_base``, ``speed = 2 - r``
+    (the paper's ``1 + JCT reduction``) for ``r <= 1`` and ``1 / r`` above (positive however slow; see the
+    module docstring).
 
     Checks against the paper's table: JCT -47% with resource -38% gives 2.37 (LPHD, "2.4x").
     """
@@ -300,8 +305,9 @@ def perf_per_dollar(
     assert jct_mean is not None and jct_base is not None and resource_s is not None and resource_base is not None
     if jct_base <= 0 or resource_base <= 0 or resource_s <= 0:
         return None
-    reduction = 1.0 - jct_mean / jct_base
-    return (1.0 + reduction) / (resource_s / resource_base)
+    r = jct_mean / jct_base
+    speed = 2.0 - r if r <= 1.0 else 1.0 / r
+    return speed / (resource_s / resource_base)
 
 
 def pct_change(value: float | None, base: float | None) -> float | None:
@@ -341,11 +347,12 @@ def build_cell(summary: dict[str, Any], resource_s: float | None) -> dict[str, A
     return {k: cell[k] for k in CELL_KEYS}
 
 
-def finalize(workloads: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Fill ``perf_per_dollar`` of every cell relative to the workload's ``colocated`` cell (returns a copy)."""
+def finalize(workloads: dict[str, dict[str, dict[str, Any]]],
+             baseline: str = BASELINE) -> dict[str, dict[str, dict[str, Any]]]:
+    """Fill ``perf_per_dollar`` of every cell relative to the workload's ``baseline`` cell (returns a copy)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for wl, cells in workloads.items():
-        base = cells.get(BASELINE)
+        base = cells.get(baseline)
         out[wl] = {}
         for label, cell in cells.items():
             new = dict(cell)
@@ -357,15 +364,15 @@ def finalize(workloads: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[
     return out
 
 
-def relative_rows(workloads: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+def relative_rows(workloads: dict[str, dict[str, dict[str, Any]]], baseline: str = BASELINE) -> list[dict[str, Any]]:
     """Paper-style rows: per (workload, non-baseline column) the % changes of TTFT, JCT, resource, and perf/$."""
     rows: list[dict[str, Any]] = []
     for wl, cells in workloads.items():
-        base = cells.get(BASELINE)
+        base = cells.get(baseline)
         if base is None:
             continue
         for label, cell in cells.items():
-            if label == BASELINE:
+            if label == baseline:
                 continue
             rows.append({
                 "workload": wl,
@@ -497,8 +504,9 @@ def _num(v: float | None, digits: int = 2) -> str:
 
 
 def paper_table(result: dict[str, Any]) -> str:
-    """The paper's Figure-12-style table: changes vs colocated, one row per (workload, column)."""
-    rows = relative_rows(result["workloads"])
+    """The paper's Figure-12-style table: changes vs the baseline (``meta.baseline``, default colocated), one row
+    per (workload, column)."""
+    rows = relative_rows(result["workloads"], result.get("meta", {}).get("baseline", BASELINE))
     lines = [
         "| workload | column | TTFT | JCT | resource | perf/$ |",
         "|---|---|---:|---:|---:|---:|",
@@ -516,7 +524,8 @@ def workload_table(result: dict[str, Any], workload: str) -> str:
     """Absolute numbers of one workload, every column, with changes vs colocated."""
     cells = result["workloads"][workload]
     details = result.get("meta", {}).get("details", {}).get(workload, {})
-    base = cells.get(BASELINE)
+    baseline = result.get("meta", {}).get("baseline", BASELINE)
+    base = cells.get(baseline)
     lines = [
         "| column | TTFT mean s | TTFT p99 s | TPOT mean s | JCT mean s | JCT p99 s | resource s | "
         "busy per instance s | req/s | goodput/inst-s | perf/$ | completed | failed |",
@@ -529,7 +538,7 @@ def workload_table(result: dict[str, Any], workload: str) -> str:
 
         def with_delta(key: str, c: dict[str, Any] = c, label: str = label) -> str:
             v = c[key]
-            if label == BASELINE or base is None:
+            if label == baseline or base is None:
                 return _num(v)
             return f"{_num(v)} ({_pct(pct_change(v, base[key]))})"
 
@@ -598,7 +607,8 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
         paper_table(result),
         "",
         "TTFT and JCT are means; resource = total busy seconds of all instances during the workload; "
-        "perf/$ = (1 + JCT reduction) / (resource ratio), the form the paper's numbers fit (1.0 = colocated).",
+        "perf/$ = speed / (resource ratio), speed = 1 + JCT reduction (the paper's form) when JCT is lower and "
+        "colocated JCT / JCT when higher (stays positive); 1.0 = colocated.",
     ]
     rounds_table = round_changes_table(result)
     if rounds_table:
@@ -1026,7 +1036,7 @@ class SideBySide:
             "seed": c.seed,
             "definitions": {
                 "resource_s": "sum over instances of busy seconds during the workload (GET /cluster busy_s)",
-                "perf_per_dollar": "(1 + (1 - jct_mean/jct_mean_colocated)) / (resource_s/resource_s_colocated)",
+                "perf_per_dollar": "speed / (resource_s/resource_s_colocated), r = jct_mean/jct_mean_colocated, speed = 2 - r if r <= 1 else 1 / r",
                 "goodput_per_instance_s": "requests meeting every SLO / (instances x run duration)",
                 "rate_auto": "(N - C) / t_(N-C) of a closed-loop probe on colocated, times rate_fraction",
             },

@@ -203,6 +203,20 @@ class FlipPolicy:
             in_progress += 1
         return commands
 
+    def begin_drain(self, instance_id: str, now: float) -> FlipCommand:
+        """Start flipping an ACTIVE instance chosen by someone else (``core.pd_controller``): it becomes
+        DRAINING (no new work) and switches once it reports empty, as for the instances this policy picks."""
+        if self.state(instance_id) is not InstanceState.ACTIVE:
+            raise ValueError(f"instance {instance_id!r} is not active (state {self.state(instance_id).value})")
+        role = self._role[instance_id]
+        if self.num_active(role) - 1 < self.config.min_per_role:
+            raise ValueError(f"flipping {instance_id!r} would leave fewer than {self.config.min_per_role} "
+                             f"active {role.value} instances")
+        self._state[instance_id] = InstanceState.DRAINING
+        self._decided_at[instance_id] = now
+        self._low_since.pop(instance_id, None)
+        return FlipCommand(FlipAction.DRAIN, instance_id, role, role.other, now)
+
     def _other_role_loaded(self, role: Role, by_id: dict[str, LoadReport]) -> bool:
         loads = [
             self.load(rep) for iid, rep in by_id.items()

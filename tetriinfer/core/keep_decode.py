@@ -15,8 +15,20 @@ ACTIVE decode instance. With ``ratio`` r the prefill instance carries about r / 
 steady state; an idle decode tier (``least`` = 0) gets every request (disaggregation is the better choice
 whenever the decode side has room).
 
+The ``cost`` rule (``rule="cost"``, the P:D controller's default): keep when the decode tier's memory is the
+bottleneck and this instance has room, i.e. iff no prompt is queued here, the least KV-pressured ACTIVE decode
+instance would be at least ``min_decode_pressure`` with this request added (``core.pd_controller.kv_pressure``
++ its blocks), and this instance's kept decodes at full length, this one included, would fill a smaller share
+of its pool than that (and at most ``cost_max_kv_fraction`` of it). A decode tier with memory to spare gets
+every request (no interference with prompts here); a full one shares its decodes with the prefill instance,
+which a fixed split cannot do (on two instances a 1:1 split halves the KV capacity for decodes). The same
+holds for compute: when the least loaded decode instance's steps are inflated by batching (``step_inflation``
+at least ``min_step_inflation``), a request is kept while this instance runs fewer kept decodes than that
+instance runs decodes (and its kept KV stays below half its pool, or the decode tier's pressure if higher).
+
 Invariants: pure (``decode_loads`` and counts are passed in); never keeps while prompts wait here; never
-commits more than ``max_kv_fraction`` of the pool to kept decodes.
+commits more than ``max_kv_fraction`` (``cost_max_kv_fraction`` under the cost rule) of the pool to kept
+decodes.
 """
 
 from __future__ import annotations
@@ -25,6 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tetriinfer.core.load import LoadReport, Role, accepting
+from tetriinfer.core.pd_controller import kv_pressure
+
+KEEP_RULES = ("ratio", "cost")
 
 
 @dataclass(frozen=True)
@@ -33,8 +48,20 @@ class KeepDecodeConfig:
     ratio: float = 0.5
     max_running: int = 32
     max_kv_fraction: float = 0.5
+    rule: str = "ratio"  # ratio | cost (see the module docstring)
+    min_decode_pressure: float = 0.5
+    min_step_inflation: float = 0.0
+    cost_max_kv_fraction: float = 0.9
 
     def __post_init__(self) -> None:
+        if self.rule not in KEEP_RULES:
+            raise ValueError(f"keep-decode rule must be one of {', '.join(KEEP_RULES)}, got {self.rule!r}")
+        if not 0.0 <= self.min_decode_pressure <= 2.0:
+            raise ValueError(f"keep-decode min_decode_pressure must be in [0, 2], got {self.min_decode_pressure}")
+        if not 0.0 <= self.min_step_inflation <= 1.0:
+            raise ValueError(f"keep-decode min_step_inflation must be in [0, 1], got {self.min_step_inflation}")
+        if not 0.0 < self.cost_max_kv_fraction <= 1.0:
+            raise ValueError(f"keep-decode cost_max_kv_fraction must be in (0, 1], got {self.cost_max_kv_fraction}")
         if not self.ratio > 0:
             raise ValueError(f"keep-decode ratio must be > 0, got {self.ratio}")
         if self.max_running < 1:
@@ -55,12 +82,21 @@ def should_keep(
 ) -> bool:
     """Keep this just-prefilled request here? ``own_committed_blocks`` = blocks the kept decodes need at full
     length; ``request_blocks`` = this request's blocks at full length (prompt + max_tokens)."""
-    if not config.enabled or own_queued > 0 or own_running >= config.max_running:
+    if not config.enabled or own_queued > 0 or own_running >= config.max_running or pool_blocks < 1:
         return False
-    if own_committed_blocks + request_blocks > config.max_kv_fraction * pool_blocks:
+    cap = config.cost_max_kv_fraction if config.rule == "cost" else config.max_kv_fraction
+    if own_committed_blocks + request_blocks > cap * pool_blocks:
         return False
     active = accepting(decode_loads, Role.DECODE)
     if not active:
         return False  # no decode tier to compare with: the dispatcher's own waiting rule applies
+    if config.rule == "cost":
+        least = min(active, key=lambda r: (kv_pressure(r), r.num_running + r.num_queued, r.instance_id))
+        kv_after = kv_pressure(least) + request_blocks / max(1, least.num_blocks)
+        own_after = (own_committed_blocks + request_blocks) / pool_blocks
+        if kv_after >= config.min_decode_pressure and own_after < kv_after:
+            return True  # memory-bound decode tier: share the pools
+        return (least.step_inflation >= config.min_step_inflation and own_after < max(kv_after, 0.5)
+                and own_running + 1 <= least.num_running)  # compute-bound: share the batch
     least = min(r.num_running + r.num_queued for r in active)
     return own_running + 1 <= config.ratio * least

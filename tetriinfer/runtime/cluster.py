@@ -32,11 +32,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
+from tetriinfer.core.flip_policy import FlipAction
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.load import LoadReport, Role
 from tetriinfer.core.membership import Membership, MemberState
 from tetriinfer.core.migration import MIGRATION_ROLES, MigrationPlanner
+from tetriinfer.core.pd_controller import PDController
 from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.scale_policy import ScaleAction, ScaleCommand, ScalePolicy
@@ -162,11 +163,7 @@ class ClusterEngineClient:
         self.policy = GlobalPolicy(LocalPrefillConfig(
             enabled=config.local_prefill and config.disaggregated, interference_weight=config.local_prefill_weight,
         ), config.prefix_affinity())
-        self.flip_policy = FlipPolicy(
-            FlipConfig(enabled=config.flip, threshold=config.flip_threshold, window_s=config.flip_window_s,
-                       decode_load=config.flip_decode_load, busy_threshold=config.flip_busy_threshold,
-                       idle_by=config.flip_idle_by)
-        )
+        self.flip_policy = PDController(config.pd_controller_config())  # core.pd_controller
         self.flip_log: list[dict[str, Any]] = []
         self.scale_log: list[dict[str, Any]] = []  # add / remove / replace events, in order
         self.scale_policy = ScalePolicy(config.scale_config())
@@ -475,7 +472,7 @@ class ClusterEngineClient:
             dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             heavy_decode_tokens=c.heavy_decode_tokens, keep_decode=pol.keep_decode,
-            keep_decode_ratio=c.keep_decode_ratio, kv_backend=c.kv_backend, kv_rank=index,
+            keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule, kv_backend=c.kv_backend, kv_rank=index,
             kv_world_size=len(c.roles()), kv_init_method=self._kv_init_method, kv_transfer=c.kv_transfer, kv_handoff=c.kv_handoff,
             link_bandwidth=c.link_bandwidth,
             transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
@@ -1035,6 +1032,8 @@ class ClusterEngineClient:
             "mode": self.config.mode,
             "instances": out,
             "flips": list(self.flip_log),
+            "pd_controller": self.config.pd_controller if self.config.flip else "static",
+            "split": [{"time": t, "prefill": p, "decode": d} for t, p, d in self.flip_policy.timeline],
             "scaling": list(self.scale_log),
             "transfers": dict(self.transfer_log),
             "predictor": dict(self.predictor_log),

@@ -6,7 +6,9 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
+from tetriinfer.core.flip_policy import FlipConfig
 from tetriinfer.core.migration import MigrationConfig
+from tetriinfer.core.pd_controller import PDControllerConfig
 from tetriinfer.core.prefix_affinity import PrefixAffinity
 from tetriinfer.core.rebalance import RebalanceConfig
 from tetriinfer.core.scale_policy import ScaleConfig
@@ -91,6 +93,8 @@ class ClusterConfig:
     flip_busy_threshold: float = 0.5  # the other role counts as loaded at this mean load (FlipConfig.busy_threshold)
     flip_idle_by: str = "every"  # FlipConfig.idle_by: every report of the window below threshold, or its mean
     flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv | inflation
+    pd_controller: str = "paper"  # core.pd_controller policy choosing flips (with flip on): adaptive | paper | static
+    keep_decode_rule: str = "ratio"  # core.keep_decode.KeepDecodeConfig.rule: ratio | cost
     report_interval_s: float = 0.1
     cores_per_instance: int = 1
     instance_nice: int | None = None  # nice value of instance processes (runtime.priority); None: the front end's
@@ -149,6 +153,10 @@ class ClusterConfig:
             raise ValueError(f"flip_busy_threshold must be in [0, 1], got {self.flip_busy_threshold}")
         if self.flip_idle_by not in ("every", "mean"):
             raise ValueError(f"flip_idle_by must be 'every' or 'mean', got {self.flip_idle_by!r}")
+        if self.pd_controller not in ("adaptive", "paper", "static"):
+            raise ValueError(f"pd_controller must be adaptive, paper or static, got {self.pd_controller!r}")
+        if self.keep_decode_rule not in ("ratio", "cost"):
+            raise ValueError(f"keep_decode_rule must be ratio or cost, got {self.keep_decode_rule!r}")
         if self.flip_decode_load not in ("busy", "kv", "inflation"):
             raise ValueError(f"flip_decode_load must be busy, kv or inflation, got {self.flip_decode_load!r}")
         if self.report_interval_s <= 0:
@@ -189,6 +197,15 @@ class ClusterConfig:
     def prefix_affinity(self) -> PrefixAffinity | None:
         """The global scheduler's cache model for prefix-aware routing (None: plain least-loaded routing)."""
         return PrefixAffinity(self.block_size) if self.enable_prefix_caching and self.prefix_routing else None
+
+    def pd_controller_config(self) -> PDControllerConfig:
+        """The monitor's P:D controller: ``pd_controller`` picks the flips when ``flip`` is on (no flips when off);
+        the ``flip_*`` fields are the ``paper`` policy's rule."""
+        paper = FlipConfig(threshold=self.flip_threshold, window_s=self.flip_window_s,
+                           decode_load=self.flip_decode_load, busy_threshold=self.flip_busy_threshold,
+                           idle_by=self.flip_idle_by)
+        policy = self.pd_controller if self.flip and self.disaggregated else "static"
+        return PDControllerConfig(policy=policy, paper=paper)
 
     def scale_config(self) -> ScaleConfig:
         return ScaleConfig(enabled=self.autoscale, high=self.autoscale_high, low=self.autoscale_low,

@@ -122,7 +122,8 @@ class PrefillWorker:
         self.no_stream: set[str] = set()  # requests whose chunk-wise transfer failed
         self.awaiting_dispatch: deque[str] = deque()
         self.oracle: dict[str, int] = {}
-        self.keep_config = KeepDecodeConfig(enabled=spec.keep_decode, ratio=spec.keep_decode_ratio)
+        self.keep_config = KeepDecodeConfig(enabled=spec.keep_decode, ratio=spec.keep_decode_ratio,
+                                            rule=spec.keep_decode_rule)
         self.kept = DecodeScheduler(  # requests decoded here (keep_decode); shares this instance's KV blocks
             DecodeSchedulerConfig(
                 policy="greedy", max_num_seqs=spec.max_num_seqs, max_model_len=ctx.max_model_len,

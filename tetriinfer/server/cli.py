@@ -68,16 +68,19 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
     sched.add_argument("--heavy-decode-tokens", type=int, default=128)
     sched.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's lengths) | a predictor folder")
     sched.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
-    sched.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=False,
+    sched.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=None,
                        help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
                             "tier's backlog exceeds the interference that costs (disaggregated modes)")
     sched.add_argument("--local-prefill-weight", type=float, default=0.25,
                        help="weight of the running decodes' delay against the request's own wait (0: TTFT only)")
-    sched.add_argument("--keep-decode", action=argparse.BooleanOptionalAction, default=False,
+    sched.add_argument("--keep-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="the reverse of --local-prefill: a prefill instance with no prompt queued keeps a request it "
                             "just prefilled and decodes it itself (no KV transfer) while its own decodes are fewer than "
                             "--keep-decode-ratio x the least-loaded decode instance's; prefill keeps priority there")
     sched.add_argument("--keep-decode-ratio", type=float, default=0.5)
+    sched.add_argument("--keep-decode-rule", default=None, choices=["ratio", "cost"],
+                       help="when a prefill instance keeps a decode: ratio (--keep-decode-ratio) or cost (the decode "
+                            "tier's memory is tighter than here); default: cost under --pd-controller adaptive")
     sched.add_argument("--block-size", type=int, default=16)
     sched.add_argument("--num-kv-blocks", type=int, default=None)
     sched.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
@@ -109,7 +112,15 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
     kv.add_argument("--fault-corrupt-p", type=float, default=0.0)
     elastic = p.add_argument_group("elasticity", "flips, autoscaling (core.scale_policy; the same paths as "
                                 "POST/DELETE /cluster/instances), rebalancing and live migration")
-    elastic.add_argument("--flip", action=argparse.BooleanOptionalAction, default=False)
+    elastic.add_argument("--pd-controller", default=None, choices=["adaptive", "paper", "static"],
+                         help="what moves the prefill:decode split (disaggregated modes): adaptive = flips that "
+                              "follow the prefill backlog and decode memory, decodes kept at prefill instances and "
+                              "prompts prefilled at decode instances by cost; paper = the paper's idle-instance flip "
+                              "rule; static = the fixed split. Default: adaptive for --mode tetriinfer, else static "
+                              "(docs/scheduling.md)")
+    elastic.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                         help="flip instances between roles (default: on unless --pd-controller static; --flip "
+                              "alone means the paper's rule)")
     elastic.add_argument("--flip-threshold", type=float, default=0.1)
     elastic.add_argument("--flip-window", type=float, default=2.0)
     elastic.add_argument("--flip-busy-threshold", type=float, default=0.5,
@@ -178,12 +189,30 @@ def serve_cpu_layout(args: argparse.Namespace) -> Any:
                        ncpu=os.cpu_count() or 1, realtime_ok=realtime_permitted())
 
 
+def resolve_pd_defaults(args: argparse.Namespace, prefill_rt_priority: int | None = None) -> dict[str, Any]:
+    """``--pd-controller`` and the flags it sets by default (explicit flags win): adaptive turns flips,
+    cost-based keep-decode (not with a real-time prefill priority from ``--cpu-layout``) and local prefill (not
+    with prefix caching) on; ``--flip`` alone means the paper's rule."""
+    controller = args.pd_controller or ("paper" if args.flip else "adaptive" if args.mode == "tetriinfer" else "static")
+    adaptive = controller == "adaptive"
+    return {
+        "pd_controller": controller,
+        "flip": args.flip if args.flip is not None else controller != "static",
+        "keep_decode": args.keep_decode if args.keep_decode is not None else adaptive and prefill_rt_priority is None,
+        "keep_decode_rule": args.keep_decode_rule or ("cost" if adaptive else "ratio"),
+        # prompts whose blocks a prefill instance's prefix cache holds are cheaper there than prefilled locally
+        "local_prefill": args.local_prefill if args.local_prefill is not None else adaptive and not
+        args.enable_prefix_caching,
+    }
+
+
 def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any = None) -> Any:
     """The ``ClusterConfig`` of parsed serve flags; ``layout``: an already resolved ``--cpu-layout``."""
     from tetriinfer.runtime.cluster_config import ClusterConfig
 
     layout = layout if layout is not None else serve_cpu_layout(args)
-    return ClusterConfig(
+    pd = resolve_pd_defaults(args, layout.prefill_rt_priority)
+    return ClusterConfig(**pd,
         model=model, mode=args.mode, dtype=args.dtype, device=args.device, load_format=args.load_format,
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
         instances=args.instances, chunk_size=args.chunk_size, chunk_padding=args.chunk_padding,
@@ -199,9 +228,8 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
         predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, kv_handoff=args.kv_handoff,
         link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
-        local_prefill=args.local_prefill, local_prefill_weight=args.local_prefill_weight,
-        keep_decode=args.keep_decode, keep_decode_ratio=args.keep_decode_ratio,
-        flip=args.flip, flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
+        local_prefill_weight=args.local_prefill_weight, keep_decode_ratio=args.keep_decode_ratio,
+        flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
         flip_idle_by=args.flip_idle_by,
         report_interval_s=args.report_interval, cores_per_instance=args.cores_per_instance,

@@ -77,7 +77,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
         link_latency=args.link_latency, predictor_accuracy=args.predictor_accuracy,
         frontend_delay_s=args.frontend_delay_ms / 1e3, scale_out_s=args.scale_out_s, floor=not args.no_floor,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e), progress=not args.no_progress,
-        trace_repeat=args.trace_repeat, jobs=args.jobs,
+        trace_repeat=args.trace_repeat, jobs=args.jobs, baseline=args.baseline,
     )
     command = "tetriinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result, raw = SimSideBySide(cfg, cost, command).run()
@@ -224,6 +224,10 @@ def add_subparsers(subparsers: Any) -> None:
     p.add_argument("--prefill-instances", type=int, default=None)
     _add_workload_args(p)
     p.add_argument("--no-floor", action="store_true")
+    p.add_argument("--baseline", default="colocated", metavar="NAME",
+                   help="the column perf/$ and changes are measured against: a column's name (default colocated, "
+                        "on the same instance count), or vllm1 = one colocated instance at the same rate (the "
+                        "paper's framing)")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="MS")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS")
     p.add_argument("--slo-e2e", type=float, default=None, metavar="MS")

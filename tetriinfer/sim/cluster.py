@@ -28,11 +28,12 @@ from typing import Any
 from tetriinfer.bench.metrics import RequestRecord
 from tetriinfer.bench.workloads import Workload, WorkloadRequest
 from tetriinfer.core.dispatcher import DecodeViews
-from tetriinfer.core.flip_policy import FlipAction, FlipConfig, FlipPolicy
+from tetriinfer.core.flip_policy import FlipAction
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.migration import MIGRATION_ROLES, MigrateCommand, MigrationPlanner, pick_migrants
+from tetriinfer.core.pd_controller import PDController
 from tetriinfer.core.rebalance import Rebalancer
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.sampling_params import SamplingParams
@@ -114,7 +115,8 @@ class SimConfig:
             pad_last_chunk=c.pad_last_chunk, dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, heavy_decode_tokens=c.heavy_decode_tokens,
-            keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, seed=c.seed + index,
+            keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,
+            seed=c.seed + index,
         )
 
 
@@ -136,6 +138,7 @@ class SimResult:
     preemptions: int = 0  # decode instances' preemptions (recompute), every instance that ever ran
     prefix_hit_tokens: int = 0  # prompt tokens found in a prefix cache (--enable-prefix-caching), all instances
     prefix_queried_tokens: int = 0  # prompt tokens looked up there
+    split: list[tuple[float, int, int]] = field(default_factory=list)  # (time, prefill, decode) at each change
 
     @property
     def resource_s(self) -> float:
@@ -167,9 +170,7 @@ class SimCluster:
         self.policy = GlobalPolicy(LocalPrefillConfig(enabled=c.local_prefill and c.disaggregated,
                                                       interference_weight=c.local_prefill_weight),
                                    c.prefix_affinity())
-        self.flips = FlipPolicy(FlipConfig(enabled=c.flip and c.disaggregated, threshold=c.flip_threshold,
-                                           window_s=c.flip_window_s, decode_load=c.flip_decode_load,
-                                           busy_threshold=c.flip_busy_threshold, idle_by=c.flip_idle_by))
+        self.flips = PDController(c.pd_controller_config())  # the monitor's P:D controller (core.pd_controller)
         self.scale = ScalePolicy(c.scale_config())
         self.rebalancer = Rebalancer(c.rebalance_config())
         self.num_migrated = 0
@@ -268,6 +269,7 @@ class SimCluster:
             prefix_hit_tokens=sum(i.kv.prefix_cache_stats()["prefix_cache_hit_tokens"] for i in everyone.values()),
             prefix_queried_tokens=sum(i.kv.prefix_cache_stats()["prefix_cache_queried_tokens"]
                                       for i in everyone.values()),
+            split=list(self.flips.timeline),
         )
 
     def _fill_closed_loop(self) -> None:

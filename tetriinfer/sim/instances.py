@@ -81,6 +81,7 @@ class InstancePolicies:
     heavy_decode_tokens: int = 128
     keep_decode: bool = False
     keep_decode_ratio: float = 0.5
+    keep_decode_rule: str = "ratio"
     seed: int = 0
 
 
@@ -194,7 +195,8 @@ class SimPrefill(SimInstance):
         self.dispatcher = Dispatcher(DispatcherConfig(policy=pol.dispatch_policy,
                                                       heavy_decode_tokens=pol.heavy_decode_tokens, seed=pol.seed),
                                      views=getattr(host, "decode_views", None))  # shared: one broadcast, one view
-        self.keep_config = KeepDecodeConfig(enabled=pol.keep_decode, ratio=pol.keep_decode_ratio)
+        self.keep_config = KeepDecodeConfig(enabled=pol.keep_decode, ratio=pol.keep_decode_ratio,
+                                            rule=pol.keep_decode_rule)
         self.kept = DecodeScheduler(
             DecodeSchedulerConfig(policy="greedy", max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len,
                                   heavy_decode_tokens=pol.heavy_decode_tokens),

@@ -34,6 +34,7 @@ from tetriinfer.bench.side_by_side import (
     floor_table,
     layout_args,
     paper_table,
+    perf_per_dollar,
     plot_section,
     workload_table,
 )
@@ -42,6 +43,18 @@ from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig, SimResult
 from tetriinfer.sim.cost_model import CostModel
 from tetriinfer.sim.jobs import run_jobs
+from tetriinfer.sim.shift import SHIFT_PREFIX, phased_workload
+
+VLLM1 = "vllm1"  # the baseline column of one colocated instance at the same rate (the paper's framing)
+
+
+def provisioned_perf_per_dollar(jct: float | None, jct_base: float | None, instance_s: float | None,
+                                instance_s_base: float | None) -> float | None:
+    """perf/$ on what is paid for: the same speed term as ``bench.side_by_side.perf_per_dollar`` over the ratio
+    of instance-seconds provisioned (instances x run duration) instead of busy seconds. On equal hardware at
+    the same rate the cost ratio is about 1, so this is the speed ratio: an idle prefill instance is paid for
+    too (busy seconds count it as free)."""
+    return perf_per_dollar(jct, jct_base, instance_s, instance_s_base)
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class SimSideBySideConfig:
     progress: bool = True
     trace_repeat: int = 1  # trace workloads: the trace played this many times back to back
     jobs: int = 1  # columns simulated in this many processes at once (the same result as one)
+    baseline: str = BASELINE  # perf/$ and changes vs this column; VLLM1: one colocated instance (paper's framing)
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -98,6 +112,8 @@ class SimSideBySideConfig:
             raise ValueError("instances must be >= 2 (disaggregation needs one of each role)")
         if self.trace_repeat < 1 or self.jobs < 1:
             raise ValueError(f"trace_repeat and jobs must be >= 1, got {self.trace_repeat}, {self.jobs}")
+        if self.baseline != VLLM1 and self.baseline not in labels:
+            raise ValueError(f"baseline {self.baseline!r} is neither a column ({', '.join(labels)}) nor {VLLM1!r}")
 
     @property
     def num_prefill(self) -> int:
@@ -131,6 +147,8 @@ class SimSideBySide:
         self.cost = cost
         self.command = command
         self.clusters = {c.label: cluster_config_for(c, config) for c in config.columns}
+        if config.baseline == VLLM1:
+            self.clusters[VLLM1] = replace(self.clusters[BASELINE], instances=1)
 
     def sim_config(self, cluster: ClusterConfig, **over: Any) -> SimConfig:
         c = self.config
@@ -142,6 +160,11 @@ class SimSideBySide:
     def workload(self, name: str, n: int, rate: float | None, seed: int, burst: bool = False) -> Workload:
         c = self.config
         is_trace = name.lower().startswith(("trace:", "scale:"))
+        if name.lower().startswith(SHIFT_PREFIX):
+            return phased_workload(name, n, None if burst else rate, seed, arrival=c.arrival,
+                                   burstiness_cv=c.burstiness_cv, max_prompt_tokens=c.max_prompt_tokens,
+                                   max_output_tokens=c.max_output_tokens, max_context=c.max_model_len,
+                                   length_source=c.length_source)
         return load_workload(
             name, n, None if burst else rate, seed,
             arrival="trace" if is_trace and not burst else c.arrival, burstiness_cv=c.burstiness_cv,
@@ -192,6 +215,7 @@ class SimSideBySide:
             "live_migration": res.migration,
             "prefix_hit_tokens": res.prefix_hit_tokens,
             "prefix_queried_tokens": res.prefix_queried_tokens,
+            "split": [list(x) for x in res.split], "preemptions": res.preemptions,
         }
         raw_col = {"requests": [r.to_dict() for r in res.records], "summary": s, "workload": wl.describe()}
         wl_meta = {"name": wl.name, "summary_line": workload_summary_line(wl), "describe": wl.describe()}
@@ -208,7 +232,7 @@ class SimSideBySide:
         wmeta: dict[str, dict[str, Any]] = {}
         floors: dict[str, dict[str, Any]] = {}
         probed: dict[str, float | None] = {}
-        total = len(c.workloads) * len(c.rate_fractions) * len(c.columns)
+        total = len(c.workloads) * len(c.rate_fractions) * len(self.clusters)
         bar = tqdm(total=total, desc="simulate", disable=not c.progress)
         tasks: list[tuple[str, float, float, str]] = []  # (workload, rate fraction, rate, column)
         for name in c.workloads:
@@ -217,7 +241,7 @@ class SimSideBySide:
                 floors[name] = self.floor(name, c.rate or (probed[name] or 1.0) * c.rate_fractions[0])
             for fraction in c.rate_fractions:
                 rate = c.rate if c.rate is not None else (probed[name] or 1.0) * fraction
-                tasks += [(name, fraction, rate, col.label) for col in c.columns]
+                tasks += [(name, fraction, rate, label) for label in self.clusters]
         results = run_jobs(_column_task, [(self, name, rate, label) for name, _, rate, label in tasks], c.jobs)
         for (name, fraction, rate, label), (wl_meta, cell, detail, raw_col) in zip(tasks, results, strict=True):
             key = c.cell_key(wl_meta["name"], fraction)
@@ -245,7 +269,15 @@ class SimSideBySide:
             "burstiness_cv": c.burstiness_cv, "rates": rates, "workloads": wmeta, "details": details,
             "floor": floors, "slo": {"ttft_ms": c.slo.ttft_ms, "tpot_ms": c.slo.tpot_ms, "e2e_ms": c.slo.e2e_ms},
         }
-        return {"workloads": finalize(cells), "meta": meta}, raw
+        meta["baseline"] = c.baseline
+        workloads = finalize(cells, c.baseline)
+        for key, per in details.items():
+            base_cell, base_d = workloads[key].get(c.baseline), per.get(c.baseline)
+            for label, d in per.items():
+                d["perf_per_dollar_provisioned"] = None if base_cell is None or base_d is None else \
+                    provisioned_perf_per_dollar(workloads[key][label]["jct_mean"], base_cell["jct_mean"],
+                                                d["instance_s"], base_d["instance_s"])
+        return {"workloads": workloads, "meta": meta}, raw
 
 
 def _column_task(sbs: SimSideBySide, name: str, rate: float, label: str) -> tuple[dict[str, Any], ...]:
@@ -281,9 +313,12 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
         probed = r.get("probed_rps")
         lines.append(f"| {wl} | {'-' if probed is None else f'{probed:.3f}'} | {r['rate_rps']:.3f} | "
                      f"{r['requests']} |")
-    lines += ["", "## Paper-style summary (change vs colocated)", "", paper_table(result), "",
-              "TTFT and JCT are means; resource = summed step seconds of all instances; perf/$ = (1 + JCT "
-              "reduction) / (resource ratio)."]
+    baseline = meta.get("baseline", BASELINE)
+    lines += ["", f"## Paper-style summary (change vs {baseline})", "", paper_table(result), "",
+              "TTFT and JCT are means; resource = summed step seconds of all instances; perf/$ = speed / "
+              "(resource ratio), r = JCT / baseline JCT, speed = 2 - r (the paper's 1 + JCT reduction) when "
+              "r <= 1, 1 / r when r > 1. perf/$ (provisioned) below divides by instance-seconds paid for "
+              "instead of busy seconds: on equal hardware that is the speed ratio."]
     table = floor_table(result)
     if table:
         lines += ["", "## Floor: each request alone on one instance", "", table]
@@ -310,6 +345,12 @@ def markdown_report(result: dict[str, Any], plots: Sequence[Path] = (), relative
             if live.get("moved") or live.get("returned"):
                 notes.append(f"{label}: {live['moved']} running decodes live-migrated ({live['returned']} refused; "
                              f"--migrate)")
+        for label, d in extra.items():
+            if d.get("perf_per_dollar_provisioned") is not None and label != baseline:
+                notes.append(f"{label}: perf/$ (provisioned) {d['perf_per_dollar_provisioned']:.2f}x")
+            if len(d.get("split") or []) > 1:
+                notes.append(f"{label}: prefill:decode split " + " -> ".join(
+                    f"{p}:{q} at {t:.0f} s" for t, p, q in d["split"]))
         if notes:
             lines += ["", "; ".join(notes) + "."]
     lines += plot_section(plots, relative_to)
