@@ -9,13 +9,17 @@ real role workers and KV tensors in one process (``tests.test_runtime_handoff.No
 - a ``Handoff`` that arrives after its request's ``Abort`` reserves no block and posts no memory; the sender is told
   ``KVDone`` (a live one frees its staged copy);
 - a ``Handoff`` from a sender that is no longer in the peer table (dead and replaced, or retired) frees its
-  reservation at once instead of waiting for transfer timeouts, and the decode instance does not fail.
+  reservation at once instead of waiting for transfer timeouts, and the decode instance does not fail;
+- a prefill instance whose chosen decode instance left the peer table (its load report was older than the death)
+  does not fail either: the request goes to a live decode instance, whole, and every block is freed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+
+import pytest
 
 from tests.test_runtime_handoff import Node
 from tetriinfer.core.load import InstanceState
@@ -79,4 +83,77 @@ def test_a_handoff_from_a_sender_no_longer_in_the_peer_table_is_freed_at_once() 
         assert d.ctx.kv_manager.num_used_blocks == 0
     finally:
         for node in (p, d):
+            node.backend.shutdown()
+
+
+def _run_to_end(nodes: dict[str, Node], rid: str, rounds: int = 400) -> list[int]:
+    """Deliver the wire and step every node until ``rid`` has finished; its streamed token ids."""
+    wire = next(iter(nodes.values())).wire
+    for _ in range(rounds):
+        while wire:
+            peer, data = wire.popleft()
+            if peer in nodes:
+                nodes[peer].worker.handle(decode(data))
+        for node in nodes.values():
+            if hasattr(node.worker, "poll_transfers"):
+                node.worker.poll_transfers()
+            node.worker.step()
+        items = [it for node in nodes.values() for it in node.items() if it.request_id == rid]
+        if any(it.finished for it in items):
+            return [t for it in sorted(items, key=lambda it: it.index) for t in it.token_ids]
+        time.sleep(0.001)
+    raise AssertionError(f"{rid} never finished")
+
+
+@pytest.mark.parametrize(("kv_transfer", "gone_at"), [("chunk", "dispatch"), ("request", "dispatch"),
+                                                      ("chunk", "mid_stream")])  # per-request has no stream
+def test_a_decode_instance_gone_from_the_peer_table_does_not_fail_the_prefill_instance(
+        kv_transfer: str, gone_at: str) -> None:
+    wire: deque = deque()
+    p, d = Node("p", "prefill", wire, kv_transfer), Node("d", "decode", wire, kv_transfer)
+    x = Node("x", "decode", wire, kv_transfer)  # the decode instance that dies
+    for node in (p, d, x):
+        node.wire = wire  # type: ignore[attr-defined]
+    gone: set[str] = set()
+    send = p.ctx.send_peer
+
+    def send_peer(peer: str, msg: object) -> None:
+        if peer in gone:
+            raise RuntimeError(f"unknown peer instance {peer!r}")  # as Instance._send_peer after a PeerTable update
+        send(peer, msg)
+
+    p.ctx.send_peer = send_peer  # type: ignore[assignment]
+    try:
+        if gone_at == "dispatch":
+            gone.add("x")
+        p.worker.decode_loads = [x.worker.load_report(time.time(), 0.0, InstanceState.ACTIVE)]
+        params = WireParams.from_params(SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0))
+        p.worker.handle(NewRequest("one", [3] * 80, params, 0.0))  # three 32-token chunks
+        assert p.worker.step()  # the first chunk: the stream (chunk-wise) would open to x here
+        if gone_at == "mid_stream":
+            assert "one" in p.worker.streams and p.worker.streams["one"].decode_id == "x"
+            wire.clear()  # x died with what it was sent
+            gone.add("x")
+        for _ in range(4):
+            p.worker.step()
+        assert all(r.instance_id != "x" for r in p.worker.decode_loads)  # x is out of dispatch
+        dispatched = [m.decode_id for m in p.front if type(m).__name__ == "Dispatched"]
+        assert "x" not in dispatched[1 if gone_at == "mid_stream" else 0:]
+        p.worker.decode_loads = [d.worker.load_report(time.time(), 0.0, InstanceState.ACTIVE)]  # the next broadcast
+        tokens = _run_to_end({"p": p, "d": d}, "one")
+        assert len(tokens) == 5
+        assert [m.decode_id for m in p.front if type(m).__name__ == "Dispatched"][-1] == "d"
+        for _ in range(50):  # the prefill side frees its copy once d says KVDone
+            while wire:
+                peer, data = wire.popleft()
+                if peer in ("p", "d"):
+                    {"p": p, "d": d}[peer].worker.handle(decode(data))
+            p.worker.step()
+            d.worker.step()
+            if p.ctx.kv_manager.num_used_blocks == 0 and not p.worker.staged and not p.worker.streams:
+                break
+        assert p.ctx.kv_manager.num_used_blocks == 0 and not p.worker.staged and not p.worker.streams
+        assert d.ctx.kv_manager.num_used_blocks == 0 and d.worker.is_empty()
+    finally:
+        for node in (p, d, x):
             node.backend.shutdown()

@@ -247,7 +247,7 @@ class PrefillWorker:
         for req in upd.finished:
             stream = self.streams.get(req.request_id)
             if stream is not None:  # ended by its first token: the decode side must free its reservation
-                self.ctx.send_peer(stream.decode_id, Abort(req.request_id))
+                self.ctx.reply_peer(stream.decode_id, Abort(req.request_id))  # a gone decode holds nothing
                 self._drop_stream(req.request_id)
         if self.chunk_mode:
             self._open_streams(out)
@@ -262,7 +262,17 @@ class PrefillWorker:
             self._stage(req)
             return
         stream.prefilled = True
-        self.ctx.send_peer(stream.decode_id, PrefillDone(req.request_id, list(req.output_token_ids)))
+        if not self.ctx.reply_peer(stream.decode_id, PrefillDone(req.request_id, list(req.output_token_ids))):
+            # the decode instance left the peer table mid-stream: hand the request over another way, as after a
+            # failed chunk-wise transfer (staging copy + dispatch to a live decode instance)
+            self._decode_gone(stream.decode_id)
+            self._drop_stream(req.request_id)
+            self.no_stream.add(req.request_id)
+            if req.request_id in self.scheduler.handed_over:
+                self._stage(req)
+                if req.request_id in self.staged:
+                    self.staged[req.request_id].dispatch_attempts = stream.dispatch_attempts
+            return
         self._pump_stream(stream)
 
     # ---- chunk-wise transfer -------------------------------------------------------------
@@ -281,10 +291,12 @@ class PrefillWorker:
             decision = self.dispatcher.choose(self.decode_loads, req.num_tokens + 1, req.predicted_lower)
             if decision.instance_id is None:
                 continue
-            self._account_dispatch(decision.instance_id, req)
             n = self.ctx.kv_manager.pool.blocks_for_tokens(req.num_prompt_tokens)
+            if not self._send_handoff(req, decision.instance_id, n, early=True):
+                self._decode_gone(decision.instance_id)  # no stream: the next step chooses among the live ones
+                continue
+            self._account_dispatch(decision.instance_id, req)
             self.streams[rid] = KVStream(req, decision.instance_id, n)
-            self._send_handoff(req, decision.instance_id, n, early=True)
             self.ctx.send_front(Dispatched(rid, decision.instance_id))
 
     def _pump_streams(self) -> None:
@@ -369,18 +381,24 @@ class PrefillWorker:
             if rid not in self.awaiting_dispatch:
                 self.awaiting_dispatch.append(rid)
             return
+        if not self._send_handoff(req, decision.instance_id, staged.num_blocks, early=False, kv_region=staged.region):
+            self._decode_gone(decision.instance_id)
+            if rid not in self.awaiting_dispatch:  # retried next step, among the live decode instances
+                self.awaiting_dispatch.append(rid)
+            return
         staged.decode_id = decision.instance_id
         staged.dispatch_attempts += 1
         self._account_dispatch(decision.instance_id, req)
-        self._send_handoff(req, decision.instance_id, staged.num_blocks, early=False, kv_region=staged.region)
         self.ctx.send_front(Dispatched(rid, decision.instance_id))
 
     def _send_handoff(self, req: Request, decode_id: str, num_blocks: int, early: bool,
-                      kv_region: RemoteRegion | None = None) -> None:
+                      kv_region: RemoteRegion | None = None) -> bool:
+        """Send the request's ``Handoff``; False (nothing sent) when ``decode_id`` left the peer table (died or
+        retired since the load report that chose it)."""
         pred = None
         if req.predicted_bucket is not None:
             pred = Prediction(req.predicted_bucket, req.predicted_lower or 0, req.predicted_upper or 0)
-        self.ctx.send_peer(
+        return self.ctx.reply_peer(
             decode_id,
             Handoff(
                 request_id=req.request_id,
@@ -396,6 +414,11 @@ class PrefillWorker:
                 kv_region=kv_region,
             ),
         )
+
+    def _decode_gone(self, decode_id: str) -> None:
+        """``decode_id`` is no longer reachable: leave it out of dispatch until a load broadcast names it again
+        (the front end's next broadcast no longer does)."""
+        self.decode_loads = [r for r in self.decode_loads if r.instance_id != decode_id]
 
     def _account_dispatch(self, decode_id: str, req: Request) -> None:
         """Optimistically charge the chosen instance until its next load report (avoids herding)."""
