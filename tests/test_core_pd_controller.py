@@ -229,6 +229,8 @@ def test_serve_flags_resolve_the_controller_and_explicit_flags_win() -> None:
     static = cfg("--mode", "tetriinfer", "--pd-controller", "static")
     assert not (static.flip or static.keep_decode or static.local_prefill)
     assert not cfg("--mode", "tetriinfer", "--no-keep-decode").keep_decode
+    assert tetri.dispatch_when_full == "wait" and paper.dispatch_when_full == static.dispatch_when_full == "least-loaded"
+    assert cfg("--mode", "tetriinfer", "--dispatch-when-full", "least-loaded").dispatch_when_full == "least-loaded"
 
 
 def test_sim_side_by_side_measures_against_the_chosen_baseline() -> None:

@@ -148,6 +148,8 @@ MODES = {
     "tetriinfer": dict(mode="tetriinfer", prefill_policy="srtf", predictor="oracle", decode_policy="reserve-dynamic"),
     "tetri-local": dict(mode="tetriinfer", prefill_policy="sjf", local_prefill=True),
     "tetri-keep": dict(mode="tetriinfer", keep_decode=True, local_prefill=True),
+    "tetri-wait": dict(mode="tetriinfer", keep_decode=True, keep_decode_rule="cost", dispatch_when_full="wait",
+                       local_prefill=True, pd_controller="adaptive", flip=True),
     "tetri-flip": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, predictor="oracle",
                        decode_policy="reserve-static"),
     "tetri-auto": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, autoscale=True, autoscale_window_s=0.3,
@@ -200,7 +202,7 @@ def test_every_mode_finishes_every_request_with_its_length_and_frees_every_block
         assert res.transfer_bytes > 0 or res.local_prefills + res.kept_decodes == 60
     if name == "tetri-local":
         assert res.local_prefills > 0
-    if name == "tetri-keep":
+    if name in ("tetri-keep", "tetri-wait"):
         assert res.kept_decodes > 0
     if name == "tetri-migrate":
         assert res.migration["moved_by_reason"].get("balance", 0) > 0 and res.steps["decode-0"] > 0
@@ -220,6 +222,25 @@ def test_disaggregation_removes_prefill_stalls_from_decodes() -> None:
         check_run(wl, res.records)
         tpot[name] = summarize([r for r in res.records if r.request_id.startswith("d")])["tpot"]["mean"]
     assert tpot["distserve"] < COST.decode_seconds(4) * 1.05 < tpot["colocated"]
+
+
+def test_waiting_dispatch_lets_the_prefill_instance_decode_what_the_full_decode_pool_cannot_take() -> None:
+    """1 prefill + 1 decode instance whose KV pool holds a few requests (the V100 regime): with
+    ``dispatch_when_full=least-loaded`` every prefilled request queues at the decode instance and the prefill
+    instance idles once the prompts are done; with ``wait`` the requests no decode pool has room for stay staged
+    and the prefill instance decodes them itself when it has room, so both pools decode, as two colocated
+    instances would."""
+    reqs = tuple(WorkloadRequest(f"r{i}", 0.05 * i, 600, 300) for i in range(40))
+    wl = Workload("memory-bound", reqs, "test", "trace", None, 0)
+    out = {}
+    for when_full in ("least-loaded", "wait"):
+        cc = ClusterConfig(model="sim", mode="tetriinfer", prefill_instances=1, decode_instances=1, keep_decode=True,
+                           keep_decode_rule="cost", dispatch_when_full=when_full, block_size=16)
+        res = SimCluster(SimConfig(cc, num_kv_blocks=200, kv_bytes_per_token=8192, max_model_len=2048), COST).run(wl)
+        check_run(wl, res.records)
+        out[when_full] = (res.kept_decodes, summarize(res.records)["jct"]["mean"])
+    assert out["wait"][0] > out["least-loaded"][0]
+    assert out["wait"][1] < out["least-loaded"][1]
 
 
 def test_flip_moves_an_idle_prefill_instance_to_decode_without_losing_requests() -> None:

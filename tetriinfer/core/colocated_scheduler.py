@@ -66,6 +66,7 @@ class _ColocatedBase(Detachable):
         self._table = RequestTable(kv, forget=self._forget)
         self._step_id = 0
         self._ended_in_schedule: list[Request] = []  # reported by the next ``update``
+        self.num_preemptions = 0  # running requests preempted (recompute); partial prefills given back not counted
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -174,6 +175,7 @@ class _ColocatedBase(Detachable):
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _decode_running(self, limit: int) -> tuple[list[Request], list[str]]:

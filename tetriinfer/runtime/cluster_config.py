@@ -95,6 +95,7 @@ class ClusterConfig:
     flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv | inflation
     pd_controller: str = "paper"  # core.pd_controller policy choosing flips (with flip on): adaptive | paper | static
     keep_decode_rule: str = "ratio"  # core.keep_decode.KeepDecodeConfig.rule: ratio | cost
+    dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty: wait | least-loaded
     report_interval_s: float = 0.1
     cores_per_instance: int = 1
     instance_nice: int | None = None  # nice value of instance processes (runtime.priority); None: the front end's
@@ -157,6 +158,8 @@ class ClusterConfig:
             raise ValueError(f"pd_controller must be adaptive, paper or static, got {self.pd_controller!r}")
         if self.keep_decode_rule not in ("ratio", "cost"):
             raise ValueError(f"keep_decode_rule must be ratio or cost, got {self.keep_decode_rule!r}")
+        if self.dispatch_when_full not in ("wait", "least-loaded"):
+            raise ValueError(f"dispatch_when_full must be wait or least-loaded, got {self.dispatch_when_full!r}")
         if self.flip_decode_load not in ("busy", "kv", "inflation"):
             raise ValueError(f"flip_decode_load must be busy, kv or inflation, got {self.flip_decode_load!r}")
         if self.report_interval_s <= 0:

@@ -108,7 +108,8 @@ class PrefillWorker:
             self.prediction_service = PredictionService(ctx.predictor)
         self.predictor_latencies: list[float] = []
         self.dispatcher = Dispatcher(
-            DispatcherConfig(policy=spec.dispatch_policy, heavy_decode_tokens=spec.heavy_decode_tokens, seed=spec.seed)
+            DispatcherConfig(policy=spec.dispatch_policy, heavy_decode_tokens=spec.heavy_decode_tokens, seed=spec.seed,
+                             alpha_empty=spec.dispatch_when_full)
         )
         self.decode_loads: list[LoadReport] = []
         hold = hold_config_from_env()  # test-only fault injection (runtime.fault_hooks); None unless asked for
@@ -333,9 +334,8 @@ class PrefillWorker:
         if stream is not None and stream.transfer_id is not None:
             self.ctx.release_transfer(stream.transfer_id)
 
-    def _try_keep(self, req: Request) -> bool:
-        """Keep a just-prefilled request here to decode it (``core.keep_decode``)? If so its blocks move to
-        ``self.kept`` and the front end learns it is decoding on this instance."""
+    def _may_keep(self, req: Request) -> bool:
+        """``core.keep_decode.should_keep`` for ``req`` here, now."""
         if not self.keep_config.enabled:
             return False
         kv, cap = self.ctx.kv_manager, self.ctx.max_model_len
@@ -343,15 +343,35 @@ class PrefillWorker:
         def full_blocks(r: Request) -> int:
             return kv.pool.blocks_for_tokens(min(r.num_prompt_tokens + r.sampling_params.max_tokens, cap))
 
-        if not should_keep(
+        return should_keep(
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
             own_queued=self.scheduler.num_queued,
             own_committed_blocks=sum(full_blocks(r) for r in self.kept.requests.values()),
             request_blocks=full_blocks(req), pool_blocks=kv.num_blocks, decode_loads=self.decode_loads,
-        ):
+        )
+
+    def _try_keep(self, req: Request) -> bool:
+        """Keep a just-prefilled request here to decode it (``core.keep_decode``)? If so its blocks move to
+        ``self.kept`` and the front end learns it is decoding on this instance."""
+        if not self._may_keep(req):
             return False
         self.kept.adopt(self.scheduler.keep(req.request_id))
         self.ctx.send_front(Dispatched(req.request_id, self.ctx.instance_id))
+        return True
+
+    def _keep_staged(self, rid: str) -> bool:
+        """Decode here a staged request that waits for a decode instance with room (``--dispatch-when-full
+        wait``), when the keep rule allows it now: its KV is copied from staging back into blocks of this
+        instance (no transfer), the staging copy is freed, and the front end learns it decodes here."""
+        staged = self.staged[rid]
+        req = staged.request
+        if not self._may_keep(req) or not self.kept.reserve(req):
+            return False
+        table = self.kept.block_table(rid)
+        self.ctx.runner.kv.write_blocks(table[: staged.num_blocks], staged.tensors)
+        self.kept.on_kv_received(rid)
+        self._drop(rid)
+        self.ctx.send_front(Dispatched(rid, self.ctx.instance_id))
         return True
 
     def _stage(self, req: Request) -> None:
@@ -428,7 +448,7 @@ class PrefillWorker:
     def _retry_dispatch(self) -> None:
         for _ in range(len(self.awaiting_dispatch)):
             rid = self.awaiting_dispatch.popleft()
-            if rid in self.staged:
+            if rid in self.staged and not self._keep_staged(rid):
                 self._dispatch(rid)
 
     # ---- transfer ------------------------------------------------------------------------

@@ -81,6 +81,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
     sched.add_argument("--keep-decode-rule", default=None, choices=["ratio", "cost"],
                        help="when a prefill instance keeps a decode: ratio (--keep-decode-ratio) or cost (the decode "
                             "tier's memory is tighter than here); default: cost under --pd-controller adaptive")
+    sched.add_argument("--dispatch-when-full", default=None, choices=["wait", "least-loaded"],
+                       help="a prefilled request that no decode instance has free KV for: wait (its KV stays staged at "
+                            "the prefill instance, which may decode it itself under --keep-decode once it has room) or "
+                            "least-loaded (queue it at the least loaded decode instance, the paper's); default: wait "
+                            "under --pd-controller adaptive")
     sched.add_argument("--block-size", type=int, default=16)
     sched.add_argument("--num-kv-blocks", type=int, default=None)
     sched.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
@@ -191,8 +196,9 @@ def serve_cpu_layout(args: argparse.Namespace) -> Any:
 
 def resolve_pd_defaults(args: argparse.Namespace, prefill_rt_priority: int | None = None) -> dict[str, Any]:
     """``--pd-controller`` and the flags it sets by default (explicit flags win): adaptive turns flips,
-    cost-based keep-decode (not with a real-time prefill priority from ``--cpu-layout``) and local prefill (not
-    with prefix caching) on; ``--flip`` alone means the paper's rule."""
+    cost-based keep-decode (not with a real-time prefill priority from ``--cpu-layout``), waiting dispatch (a request
+    no decode instance has room for stays staged where it was prefilled) and local prefill (not with prefix caching)
+    on; ``--flip`` alone means the paper's rule."""
     controller = args.pd_controller or ("paper" if args.flip else "adaptive" if args.mode == "tetriinfer" else "static")
     adaptive = controller == "adaptive"
     return {
@@ -200,6 +206,7 @@ def resolve_pd_defaults(args: argparse.Namespace, prefill_rt_priority: int | Non
         "flip": args.flip if args.flip is not None else controller != "static",
         "keep_decode": args.keep_decode if args.keep_decode is not None else adaptive and prefill_rt_priority is None,
         "keep_decode_rule": args.keep_decode_rule or ("cost" if adaptive else "ratio"),
+        "dispatch_when_full": args.dispatch_when_full or ("wait" if adaptive else "least-loaded"),
         # prompts whose blocks a prefill instance's prefix cache holds are cheaper there than prefilled locally
         "local_prefill": args.local_prefill if args.local_prefill is not None else adaptive and not
         args.enable_prefix_caching,

@@ -116,7 +116,7 @@ class SimConfig:
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, heavy_decode_tokens=c.heavy_decode_tokens,
             keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,
-            seed=c.seed + index,
+            dispatch_when_full=c.dispatch_when_full, seed=c.seed + index,
         )
 
 
@@ -135,7 +135,7 @@ class SimResult:
     scaling: list[dict[str, Any]] = field(default_factory=list)
     migrated: int = 0  # requests handed back unstarted and routed again (--rebalance)
     migration: dict[str, Any] = field(default_factory=dict)  # live migration of running decodes (--migrate)
-    preemptions: int = 0  # decode instances' preemptions (recompute), every instance that ever ran
+    preemptions: int = 0  # running decodes preempted (recompute) anywhere: decode, colocated, kept at prefill
     prefix_hit_tokens: int = 0  # prompt tokens found in a prefix cache (--enable-prefix-caching), all instances
     prefix_queried_tokens: int = 0  # prompt tokens looked up there
     split: list[tuple[float, int, int]] = field(default_factory=list)  # (time, prefill, decode) at each change
@@ -265,7 +265,9 @@ class SimCluster:
             local_prefills=self.policy.num_local_prefills, kept_decodes=self.num_kept, flips=self.flip_log,
             transfer_bytes=self.links.bytes_sent, events=self.loop.num_events, alive_s=alive,
             scaling=self.scale_log, migrated=self.num_migrated, migration=dict(self.migration_log),
-            preemptions=sum(i.scheduler.num_preemptions for i in everyone.values() if isinstance(i, SimDecode)),
+            preemptions=sum(i.scheduler.num_preemptions for i in everyone.values()
+                            if isinstance(i, SimDecode | SimColocated))
+            + sum(i.kept.num_preemptions for i in everyone.values() if isinstance(i, SimPrefill)),
             prefix_hit_tokens=sum(i.kv.prefix_cache_stats()["prefix_cache_hit_tokens"] for i in everyone.values()),
             prefix_queried_tokens=sum(i.kv.prefix_cache_stats()["prefix_cache_queried_tokens"]
                                       for i in everyone.values()),

@@ -82,6 +82,7 @@ class InstancePolicies:
     keep_decode: bool = False
     keep_decode_ratio: float = 0.5
     keep_decode_rule: str = "ratio"
+    dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty
     seed: int = 0
 
 
@@ -193,7 +194,8 @@ class SimPrefill(SimInstance):
             kv,
         )
         self.dispatcher = Dispatcher(DispatcherConfig(policy=pol.dispatch_policy,
-                                                      heavy_decode_tokens=pol.heavy_decode_tokens, seed=pol.seed),
+                                                      heavy_decode_tokens=pol.heavy_decode_tokens, seed=pol.seed,
+                                                      alpha_empty=pol.dispatch_when_full),
                                      views=getattr(host, "decode_views", None))  # shared: one broadcast, one view
         self.keep_config = KeepDecodeConfig(enabled=pol.keep_decode, ratio=pol.keep_decode_ratio,
                                             rule=pol.keep_decode_rule)
@@ -249,7 +251,8 @@ class SimPrefill(SimInstance):
             upd_d = self.kept.update(dec, split_result(result, dec))
             self.host.on_tokens(upd_d.new_tokens, upd_d.finished)
 
-    def _try_keep(self, req: Request) -> bool:
+    def _may_keep(self, req: Request) -> bool:
+        """``core.keep_decode.should_keep`` for ``req`` here, now."""
         if not self.keep_config.enabled or self.state is not InstanceState.ACTIVE:
             return False
         pool, cap = self.kv.pool, self.pol.max_model_len
@@ -257,14 +260,28 @@ class SimPrefill(SimInstance):
         def full_blocks(r: Request) -> int:
             return pool.blocks_for_tokens(min(r.num_prompt_tokens + r.sampling_params.max_tokens, cap))
 
-        if not should_keep(
+        return should_keep(
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
             own_queued=self.scheduler.num_queued,
             own_committed_blocks=sum(full_blocks(r) for r in self.kept.requests.values()),
             request_blocks=full_blocks(req), pool_blocks=self.kv.num_blocks, decode_loads=self.decode_loads,
-        ):
+        )
+
+    def _try_keep(self, req: Request) -> bool:
+        if not self._may_keep(req):
             return False
         self.kept.adopt(self.scheduler.keep(req.request_id))
+        self.host.on_dispatched(req.request_id, self.iid)
+        return True
+
+    def _keep_staged(self, req: Request) -> bool:
+        """Decode here a staged request that waits for a decode instance with room (``dispatch_when_full`` =
+        wait), when the keep rule allows it now: its KV goes back from staging into blocks of this instance
+        (a local copy; its time is not modelled) instead of over a link later."""
+        if not self._may_keep(req) or not self.kept.reserve(req):
+            return False
+        self.kept.on_kv_received(req.request_id)
+        self.staged.discard(req.request_id)
         self.host.on_dispatched(req.request_id, self.iid)
         return True
 
@@ -290,7 +307,8 @@ class SimPrefill(SimInstance):
     def retry_dispatch(self) -> None:
         for _ in range(len(self.awaiting)):
             req, n = self.awaiting.popleft()
-            self.dispatch(req, n)
+            if not self._keep_staged(req):
+                self.dispatch(req, n)
 
     def kv_done(self, request_id: str) -> None:
         """The decode side has the KV (or gave up on it): drop the staging copy."""
