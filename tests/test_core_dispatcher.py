@@ -75,6 +75,19 @@ def test_alpha_empty_wait_or_fallback() -> None:
     assert fallback.instance_id == "b"  # lower KV usage
 
 
+def test_wait_counts_free_blocks_net_of_requests_already_waiting_for_admission() -> None:
+    # need = 100 + 400 tokens = 32 blocks; "a" has 40 free but 20 of them are promised to requests waiting there
+    loads = [dataclasses.replace(decode("a", free=40, used=24), num_waiting_blocks=20), decode("b", free=34, used=30)]
+    wait = Dispatcher(DispatcherConfig(alpha_empty="wait")).choose(loads, 100, 400)
+    assert wait.instance_id == "b" and wait.alpha == ("b",)
+    full = [loads[0], dataclasses.replace(loads[1], num_waiting_blocks=3)]
+    assert Dispatcher(DispatcherConfig(alpha_empty="wait")).choose(full, 100, 400).instance_id is None
+    # least-loaded keeps the paper's rule (free blocks only): both are in alpha there
+    assert Dispatcher(DispatcherConfig(alpha_empty="least-loaded")).choose(full, 100, 400).alpha == ("a", "b")
+    with pytest.raises(ValueError):
+        dataclasses.replace(loads[1], num_waiting_blocks=-1)
+
+
 def test_skips_draining_and_flipping_instances() -> None:
     loads = [
         decode("drain", free=100, state=InstanceState.DRAINING),

@@ -9,7 +9,9 @@ skipped). Policies:
   choices) at random from alpha and send to the one with the least interference: fewest decodes of
   this request's class (heavy or light), so each class is spread evenly and the heavy:light ratios
   stay even across instances (ties: fewer decodes, more free blocks, then the draw order). If alpha is empty: ``wait`` (no decision) or
-  ``least-loaded`` over beta, as configured.
+  ``least-loaded`` over beta, as configured. With ``wait`` an instance's free blocks count net of what the requests
+  already waiting there for admission need (``num_waiting_blocks``): a request is sent only where it can be admitted
+  now, and otherwise stays (staged) at its prefill instance, which may decode it itself (``core.keep_decode``).
   Invariant: an instance in beta is never chosen while alpha is non-empty.
 - ``random``, ``round-robin``, ``least-loaded``: length-unaware ablations over all candidates.
 - ``imbalanced``: the hotspot the paper avoids, for ablations: every heavy decode goes to the first
@@ -90,15 +92,16 @@ class _DecodeView:
 
     Invariants: ``cands == accepting(loads, Role.DECODE)``; ``ids`` their instance ids in that order; ``pos`` maps
     an instance id to its index in ``loads`` and ``cand_pos`` to its index in ``cands``; ``min_free`` is the least
-    ``num_free_blocks`` among ``cands`` and ``block_size`` their common block size (None if they differ or there
-    are none)."""
+    ``num_free_blocks`` among ``cands``, ``min_room`` the least ``num_free_blocks - num_waiting_blocks``, and
+    ``block_size`` their common block size (None if they differ or there are none)."""
 
-    __slots__ = ("loads", "size", "cands", "ids", "pos", "cand_pos", "min_free", "block_size")
+    __slots__ = ("loads", "size", "cands", "ids", "pos", "cand_pos", "min_free", "min_room", "block_size")
 
     def __init__(self, loads: Sequence[LoadReport], cands: list[LoadReport], ids: tuple[str, ...],
                  pos: dict[str, int], cand_pos: dict[str, int]) -> None:
         self.loads, self.size, self.cands, self.ids, self.pos, self.cand_pos = loads, len(loads), cands, ids, pos, cand_pos
         self.min_free = min((r.num_free_blocks for r in cands), default=0)
+        self.min_room = min((r.num_free_blocks - r.num_waiting_blocks for r in cands), default=0)
         sizes = {r.block_size for r in cands}
         self.block_size = sizes.pop() if len(sizes) == 1 else None
 
@@ -169,6 +172,7 @@ class Dispatcher:
             derived.loads, derived.size, derived.cands, derived.ids = out, len(out), cands, view.ids
             derived.pos, derived.cand_pos, derived.block_size = view.pos, view.cand_pos, view.block_size
             derived.min_free = min(view.min_free, r.num_free_blocks)
+            derived.min_room = min(view.min_room, r.num_free_blocks - r.num_waiting_blocks)
             self._views._put(derived)
         return out
 
@@ -210,8 +214,17 @@ class Dispatcher:
         # A need above an instance's whole pool is capped at the pool (as the decode reservation is):
         # an empty instance is always in alpha, so a request never waits for memory that cannot exist.
         need = prompt_tokens + decode_tokens  # tokens; each instance's blocks_for_tokens, inline (one pass per request)
-        if view.block_size is not None and view.min_free >= -(-need // view.block_size):
+        wait = self.config.alpha_empty is AlphaEmptyAction.WAIT
+        least_room = view.min_room if wait else view.min_free
+        if view.block_size is not None and least_room >= -(-need // view.block_size):
             alpha, alpha_ids = cands, view.ids  # every candidate has the blocks: no scan
+        elif wait:  # only where it is admitted now: free blocks net of what already waits there
+            alpha = [
+                r for r in cands
+                if r.num_free_blocks - r.num_waiting_blocks
+                >= min(r.num_free_blocks + r.num_used_blocks, -(-need // r.block_size))
+            ]
+            alpha_ids = tuple(r.instance_id for r in alpha)
         else:
             alpha = [
                 r for r in cands
@@ -219,7 +232,7 @@ class Dispatcher:
             ]
             alpha_ids = tuple(r.instance_id for r in alpha)
         if not alpha:
-            if self.config.alpha_empty is AlphaEmptyAction.WAIT:
+            if wait:
                 return DispatchDecision(None, "alpha empty: wait", heavy)
             pick = least_loaded(cands)
             assert pick is not None

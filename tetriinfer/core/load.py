@@ -70,15 +70,16 @@ class LoadReport:
     utilization: float = 0.0
     num_prefill_tokens: int = 0  # prompt tokens waiting to be prefilled here (decode: local prefills)
     step_inflation: float = 0.0  # decode: 1 - batch-1 step time / mean step time (core.step_inflation), in [0, 1]
+    num_waiting_blocks: int = 0  # decode: blocks the requests waiting for admission (not yet reserved) need now
 
     def __post_init__(self) -> None:
         if (self.num_queued >= 0 and self.num_running >= 0 and self.num_free_blocks >= 0 and self.num_used_blocks >= 0
                 and self.tokens_in_flight >= 0 and self.num_heavy_decodes >= 0 and self.num_light_decodes >= 0
                 and self.num_prefill_tokens >= 0 and self.block_size >= 1 and 0.0 <= self.utilization <= 1.0
-                and 0.0 <= self.step_inflation <= 1.0):
+                and 0.0 <= self.step_inflation <= 1.0 and self.num_waiting_blocks >= 0):
             return  # all valid (the common case, one pass); otherwise name the first bad field below
         for name in ("num_queued", "num_running", "num_free_blocks", "num_used_blocks", "tokens_in_flight",
-                     "num_heavy_decodes", "num_light_decodes", "num_prefill_tokens"):
+                     "num_heavy_decodes", "num_light_decodes", "num_prefill_tokens", "num_waiting_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"load report {self.instance_id!r}: {name} must be >= 0")
         if self.block_size < 1:
@@ -146,10 +147,11 @@ def prefill_instance_report(report: LoadReport, held: int) -> LoadReport:
 
 
 def decode_instance_report(report: LoadReport, waiting: int, waiting_prompt_tokens: int,
-                           step_inflation: float) -> LoadReport:
+                           step_inflation: float, waiting_blocks: int = 0) -> LoadReport:
     """A decode scheduler's report for its instance: ``waiting`` requests not admitted yet (handoffs and local
-    prefills waiting for blocks) count as queued, their prompt tokens (local prefills) as prefill work, and the
-    instance's step inflation (``core.step_inflation``) is attached. Used by the runtime and the simulator."""
+    prefills waiting for blocks) count as queued, their prompt tokens (local prefills) as prefill work, the
+    blocks they need to be admitted as ``num_waiting_blocks``, and the instance's step inflation
+    (``core.step_inflation``) is attached. Used by the runtime and the simulator."""
     return replace_fields(report, num_queued=report.num_queued + waiting,
                                num_prefill_tokens=report.num_prefill_tokens + waiting_prompt_tokens,
-                               step_inflation=step_inflation)
+                               step_inflation=step_inflation, num_waiting_blocks=waiting_blocks)

@@ -199,7 +199,11 @@ class DecodeWorker:
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
+        blocks = self.ctx.kv_manager.pool.blocks_for_tokens
+        waiting_blocks = (sum(blocks(len(m.prompt_token_ids) + len(m.output_token_ids)) for m in self.pending)
+                          + sum(blocks(len(m.prompt_token_ids) + 1) for m in self.local_pending))
         return decode_instance_report(rep, len(self.pending) + len(self.local_pending),
-                                      sum(len(m.prompt_token_ids) for m in self.local_pending), self.inflation.take())
+                                      sum(len(m.prompt_token_ids) for m in self.local_pending), self.inflation.take(),
+                                      waiting_blocks)
 
 

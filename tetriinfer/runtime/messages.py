@@ -234,6 +234,7 @@ class WireLoad(msgspec.Struct, tag=True, frozen=True):
     prefix_hit_tokens: int = 0  # cumulative prompt tokens found in the prefix cache (--enable-prefix-caching)
     prefix_queried_tokens: int = 0  # cumulative prompt tokens looked up there
     prefix_cached_blocks: int = 0  # blocks holding a named (reusable) prefix now
+    num_waiting_blocks: int = 0  # decode: blocks its requests waiting for admission need
 
 
 class PredictorStat(msgspec.Struct, tag=True, frozen=True):

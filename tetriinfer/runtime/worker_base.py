@@ -163,7 +163,7 @@ def wire_load(report: LoadReport, busy_s: float, steps: int, kv: KVCacheManager 
         num_prefill_tokens=report.num_prefill_tokens, step_inflation=report.step_inflation,
         prefix_hit_tokens=stats.get("prefix_cache_hit_tokens", 0),
         prefix_queried_tokens=stats.get("prefix_cache_queried_tokens", 0),
-        prefix_cached_blocks=stats.get("prefix_cache_blocks", 0),
+        prefix_cached_blocks=stats.get("prefix_cache_blocks", 0), num_waiting_blocks=report.num_waiting_blocks,
     )
 
 
@@ -177,4 +177,5 @@ def load_from_wire(w: WireLoad) -> LoadReport:
         num_used_blocks=w.num_used_blocks, block_size=w.block_size, tokens_in_flight=w.tokens_in_flight,
         num_heavy_decodes=w.num_heavy_decodes, num_light_decodes=w.num_light_decodes,
         utilization=w.utilization, num_prefill_tokens=w.num_prefill_tokens, step_inflation=w.step_inflation,
+        num_waiting_blocks=w.num_waiting_blocks,
     )

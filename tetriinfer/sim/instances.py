@@ -418,8 +418,12 @@ class SimDecode(SimInstance):
 
     def report(self, now: float, utilization: float) -> LoadReport:
         rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
+        blocks = self.kv.pool.blocks_for_tokens
+        waiting_blocks = (sum(blocks(h.request.num_tokens) for h in self.pending)
+                          + sum(blocks(r.num_prompt_tokens + 1) for r in self.local_pending))
         return decode_instance_report(rep, len(self.pending) + len(self.local_pending),
-                                      sum(r.num_prompt_tokens for r in self.local_pending), self.inflation.take())
+                                      sum(r.num_prompt_tokens for r in self.local_pending), self.inflation.take(),
+                                      waiting_blocks)
 
 
 class SimColocated(SimInstance):
