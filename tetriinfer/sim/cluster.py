@@ -45,6 +45,7 @@ from tetriinfer.sim.instances import (
     SAMPLED_TOKEN,
     Handoff,
     InstancePolicies,
+    OneRowCosts,
     SimColocated,
     SimDecode,
     SimInstance,
@@ -178,6 +179,7 @@ class SimCluster:
         self.migration_log: dict[str, Any] = {"moves": 0, "moved": 0, "returned": 0, "bytes": 0,
                                               "moved_by_reason": {}}
         self.decode_views = DecodeViews()  # what prefill instances' dispatchers derive from each decode broadcast
+        self.one_row_costs = OneRowCosts(cost)  # one-row decode step prices, shared by every instance
         self.instances: dict[str, SimInstance] = {}
         self._next_id: dict[str, int] = {}
         self._started_at: dict[str, float] = {}
