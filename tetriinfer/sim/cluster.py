@@ -193,6 +193,7 @@ class SimCluster:
         self.loads: list[LoadReport] = []
         self._rng = random.Random(c.seed)
         self._tracked: dict[str, _Tracked] = {}
+        self._records: dict[str, RequestRecord] = {}  # request id -> its record (the same as in ``_tracked``)
         self._unrouted: deque[str] = deque()
         self._backlog: deque[str] = deque()  # closed loop: not yet sent
         self._in_flight = 0
@@ -235,6 +236,7 @@ class SimCluster:
             rec = RequestRecord(wreq.request_id, wreq.prompt_tokens, wreq.output_tokens, wreq.arrival_s,
                                 chunk_times_s=array("d"), chunk_tokens=array("b"))  # type: ignore[arg-type]
             self._tracked[wreq.request_id] = _Tracked(wreq, rec)
+            self._records[wreq.request_id] = rec
             if wreq.rejected:
                 rec.rejected, rec.error = True, wreq.reject_reason or "rejected"
                 continue
@@ -356,9 +358,9 @@ class SimCluster:
     # ---- Host: called by instances ----------------------------------------------------------
     def on_tokens(self, new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None:
         now = self.loop.now
-        tracked, streamed = self._tracked, self.policy.on_tokens
+        records, streamed = self._records, self.policy.on_tokens
         for rid in new_tokens:
-            rec = tracked[rid].record
+            rec = records[rid]
             if rec.first_token_s is None:
                 rec.first_token_s = now
             rec.chunk_times_s.append(now)

@@ -212,10 +212,18 @@ class SimInstance:
         report it spans, as the real instance, which cannot report mid-step, shows)."""
         if interval_s <= 0:
             return 0.0
+        spans = self._spans
+        if not spans:  # no step since the last report: idle (what the sum below gives: 0.0 / interval_s)
+            return min(1.0, 0.0 / interval_s)
         now = self.host.loop.now
         lo = now - interval_s
-        busy = sum(max(0.0, min(end, now) - max(start, lo)) for start, end in self._spans)
-        self._spans = [(start, end) for start, end in self._spans if end > now]
+        busy = 0
+        kept = []
+        for start, end in spans:  # the same terms, added in the same order as ``sum`` over them
+            busy += max(0.0, min(end, now) - max(start, lo))
+            if end > now:
+                kept.append((start, end))
+        self._spans = kept
         return min(1.0, busy / interval_s)
 
 
