@@ -155,3 +155,31 @@ def test_record_roundtrip_and_slo_validation() -> None:
     assert RequestRecord.from_dict(r.to_dict()) == r
     with pytest.raises(ValueError, match="tpot_ms"):
         SLO(tpot_ms=-1)
+
+
+def test_itl_gaps_and_consumed_distribution_match_the_plain_computation() -> None:
+    """``_itls`` writes every gap into one array (no list of per-request arrays) and ``distribution(...,
+    consume=True)`` partitions it in place: the summary's numbers equal the plain concatenation's, bit for bit."""
+    import random
+    from array import array
+
+    import numpy as np
+
+    from tetriinfer.bench.metrics import RequestRecord, _itls, distribution
+
+    rng = random.Random(3)
+    recs = []
+    for i in range(300):
+        t, times = rng.random(), array("d")
+        for _ in range(rng.randint(0, 40)):
+            t += rng.expovariate(30.0)
+            times.append(t)
+        rec = RequestRecord(f"r{i}", 10, len(times), 0.0, chunk_times_s=times)  # type: ignore[arg-type]
+        rec.success = True
+        recs.append(rec)
+    gaps = [np.diff(np.asarray(r.chunk_times_s, dtype=float)) for r in recs if len(r.chunk_times_s) > 1]
+    plain = np.concatenate(gaps)
+    fast = _itls(recs)
+    assert fast.tobytes() == plain.tobytes()
+    assert distribution(fast, consume=True) == distribution(plain.tolist())
+    assert distribution(np.empty(0), consume=True)["count"] == 0

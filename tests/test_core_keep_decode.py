@@ -152,3 +152,33 @@ def test_property_prefill_and_kept_decodes_share_one_pool(seed: int, blocks: int
             break
     assert sorted(ended) == sorted(r.request_id for r in reqs)  # each exactly once
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("rule", ["ratio", "cost"])
+def test_keep_rule_read_through_dispatcher_views_decides_as_the_plain_scan(rule: str) -> None:
+    """``should_keep(..., views=)`` reads the ACTIVE decode instances and the least loaded one from the dispatcher's
+    view of the loads (derived in O(1) across ``Dispatcher.charge``); every decision equals the plain sort and
+    scan over the same loads, on broadcasts and on charged lists alike."""
+    from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
+
+    rng = random.Random(11)
+    cfg = KeepDecodeConfig(enabled=True, rule=rule, ratio=0.7, max_running=64, min_decode_pressure=0.3,
+                           cost_max_kv_fraction=0.9)
+    for trial in range(40):
+        n = rng.randint(1, 12)
+        loads = []
+        for i in rng.sample(range(40), n):
+            free = rng.randint(0, 200)
+            loads.append(LoadReport(f"d{i}", Role.DECODE, state=rng.choice([InstanceState.ACTIVE] * 4 + [
+                InstanceState.DRAINING]), num_running=rng.randint(0, 8), num_queued=rng.randint(0, 3),
+                num_free_blocks=free, num_used_blocks=200 - free, block_size=16,
+                step_inflation=rng.random()))
+        disp = Dispatcher(DispatcherConfig(seed=trial))
+        for _ in range(30):
+            kw = {"own_running": rng.randint(0, 6), "own_queued": 0, "own_committed_blocks": rng.randint(0, 60),
+                  "request_blocks": rng.randint(1, 30), "pool_blocks": 200}
+            assert should_keep(cfg, decode_loads=loads, views=disp.views, **kw) == should_keep(
+                cfg, decode_loads=loads, **kw)
+            decision = disp.choose(loads, rng.randint(1, 900), rng.choice([None, 0, 200, 400]))
+            if decision.instance_id is not None:
+                loads = disp.charge(loads, decision.instance_id, rng.randint(1, 900), rng.choice([None, 200]))

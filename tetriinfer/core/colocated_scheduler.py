@@ -33,7 +33,7 @@ from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment, prefill_candidates
 from tetriinfer.core.migration import Detachable
-from tetriinfer.core.request import FINISHED_STATUSES, Request, RequestStatus
+from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
@@ -248,7 +248,7 @@ class _ColocatedBase(Detachable):
                 continue
             token = sampled[rid]
             status = req.status
-            if status in FINISHED_STATUSES:  # ``append_output``, inline (one call less per row and step)
+            if status.finished:  # ``append_output``, inline (one call less per row and step)
                 raise RuntimeError(f"request {rid} already finished")
             req.output_token_ids.append(token)
             if logprobs:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tetriinfer.core.frozen import replace_fields
 from tetriinfer.core.load import (
@@ -93,9 +94,10 @@ class _DecodeView:
     Invariants: ``cands == accepting(loads, Role.DECODE)``; ``ids`` their instance ids in that order; ``pos`` maps
     an instance id to its index in ``loads`` and ``cand_pos`` to its index in ``cands``; ``min_free`` is the least
     ``num_free_blocks`` among ``cands``, ``min_room`` the least ``num_free_blocks - num_waiting_blocks``, and
-    ``block_size`` their common block size (None if they differ or there are none)."""
+    ``block_size`` their common block size (None if they differ or there are none); ``mins`` maps a key function to
+    ``min(cands, key=key)`` once asked (``min_candidate``)."""
 
-    __slots__ = ("loads", "size", "cands", "ids", "pos", "cand_pos", "min_free", "min_room", "block_size")
+    __slots__ = ("loads", "size", "cands", "ids", "pos", "cand_pos", "min_free", "min_room", "block_size", "mins")
 
     def __init__(self, loads: Sequence[LoadReport], cands: list[LoadReport], ids: tuple[str, ...],
                  pos: dict[str, int], cand_pos: dict[str, int]) -> None:
@@ -104,6 +106,16 @@ class _DecodeView:
         self.min_room = min((r.num_free_blocks - r.num_waiting_blocks for r in cands), default=0)
         sizes = {r.block_size for r in cands}
         self.block_size = sizes.pop() if len(sizes) == 1 else None
+        self.mins: dict[Callable[[LoadReport], Any], LoadReport] = {}
+
+    def min_candidate(self, key: Callable[[LoadReport], Any]) -> LoadReport | None:
+        """``min(self.cands, key=key)`` (None without candidates), computed once per view and key. ``key`` must
+        order candidates totally (end with the instance id): a view derived by ``Dispatcher.charge`` gets it from
+        its parent's in O(1) unless the charged instance was the minimum."""
+        best = self.mins.get(key)
+        if best is None and self.cands:
+            best = self.mins[key] = min(self.cands, key=key)
+        return best
 
 
 class DecodeViews:
@@ -153,6 +165,11 @@ class Dispatcher:
         self._rr = 0
         self._views = views if views is not None else DecodeViews(capacity=4)
 
+    @property
+    def views(self) -> DecodeViews:
+        """Where this dispatcher keeps what it derives from loads sequences (``should_keep`` reads them too)."""
+        return self._views
+
     def charge(self, loads: Sequence[LoadReport], decode_id: str, num_tokens: int,
                predicted_lower: int | None) -> list[LoadReport]:
         """``charge_dispatch`` with this dispatcher's heavy threshold (the same new list), in O(I) list copies
@@ -173,6 +190,10 @@ class Dispatcher:
             derived.pos, derived.cand_pos, derived.block_size = view.pos, view.cand_pos, view.block_size
             derived.min_free = min(view.min_free, r.num_free_blocks)
             derived.min_room = min(view.min_room, r.num_free_blocks - r.num_waiting_blocks)
+            # the other candidates are unchanged: a known minimum that is not the charged instance stays a
+            # candidate for it, against the charged report (keys are total orders: ties cannot arise)
+            derived.mins = {key: min(best, r, key=key) for key, best in view.mins.items()
+                            if best.instance_id != decode_id}
             self._views._put(derived)
         return out
 

@@ -57,9 +57,9 @@ class Phase(enum.Enum):
     ABORTED = "aborted"
     FAILED = "failed"
 
-    @property
-    def terminal(self) -> bool:
-        return self in (Phase.FINISHED, Phase.ABORTED, Phase.FAILED)
+    def __init__(self, value: str) -> None:
+        # a plain attribute, set once per member (read per streamed token): finished, aborted or failed
+        self.terminal: bool = value in ("finished", "aborted", "failed")
 
 
 @dataclass

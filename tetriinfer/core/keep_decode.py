@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tetriinfer.core.dispatcher import DecodeViews
 from tetriinfer.core.load import LoadReport, Role, accepting
 from tetriinfer.core.pd_controller import kv_pressure
 
@@ -79,24 +80,46 @@ def should_keep(
     request_blocks: int,
     pool_blocks: int,
     decode_loads: Sequence[LoadReport],
+    views: DecodeViews | None = None,
 ) -> bool:
     """Keep this just-prefilled request here? ``own_committed_blocks`` = blocks the kept decodes need at full
-    length; ``request_blocks`` = this request's blocks at full length (prompt + max_tokens)."""
+    length; ``request_blocks`` = this request's blocks at full length (prompt + max_tokens).
+
+    ``views``: the dispatcher's (``Dispatcher.views``): the ACTIVE decode instances and the least loaded of them
+    are then read from the view of ``decode_loads`` (O(1) once known, also after ``Dispatcher.charge``) instead
+    of a sort and a scan per request; the decision is the same either way."""
     if not config.enabled or own_queued > 0 or own_running >= config.max_running or pool_blocks < 1:
         return False
     cap = config.cost_max_kv_fraction if config.rule == "cost" else config.max_kv_fraction
     if own_committed_blocks + request_blocks > cap * pool_blocks:
         return False
-    active = accepting(decode_loads, Role.DECODE)
+    view = views.get(decode_loads) if views is not None else None
+    active = view.cands if view is not None else accepting(decode_loads, Role.DECODE)
     if not active:
         return False  # no decode tier to compare with: the dispatcher's own waiting rule applies
     if config.rule == "cost":
-        least = min(active, key=lambda r: (kv_pressure(r), r.num_running + r.num_queued, r.instance_id))
+        least = view.min_candidate(_pressure_key) if view is not None else min(active, key=_pressure_key)
+        assert least is not None
         kv_after = kv_pressure(least) + request_blocks / max(1, least.num_blocks)
         own_after = (own_committed_blocks + request_blocks) / pool_blocks
         if kv_after >= config.min_decode_pressure and own_after < kv_after:
             return True  # memory-bound decode tier: share the pools
         return (least.step_inflation >= config.min_step_inflation and own_after < max(kv_after, 0.5)
                 and own_running + 1 <= least.num_running)  # compute-bound: share the batch
-    least = min(r.num_running + r.num_queued for r in active)
-    return own_running + 1 <= config.ratio * least
+    if view is not None:
+        fewest = view.min_candidate(_requests_key)
+        assert fewest is not None
+        least_requests = fewest.num_running + fewest.num_queued
+    else:
+        least_requests = min(r.num_running + r.num_queued for r in active)
+    return own_running + 1 <= config.ratio * least_requests
+
+
+def _pressure_key(r: LoadReport) -> tuple[float, int, str]:
+    """The cost rule's "least loaded decode instance": least KV pressure, then fewest requests, then id."""
+    return (kv_pressure(r), r.num_running + r.num_queued, r.instance_id)
+
+
+def _requests_key(r: LoadReport) -> tuple[int, str]:
+    """The ratio rule's "least loaded": fewest requests (running + queued), then id."""
+    return (r.num_running + r.num_queued, r.instance_id)

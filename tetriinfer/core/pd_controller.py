@@ -239,6 +239,8 @@ class PDController:
             old = self._vec.get(iid)
             if old is None or tau == 0:
                 vec = x
+            elif old == x:  # at its input already: o + a * (x - o) is o exactly (no feature is ever -0.0 or NaN)
+                vec = old
             else:
                 a = 1.0 - math.exp(-max(0.0, now - self._smooth_at[iid]) / tau)
                 vec = tuple(o + a * (n - o) for o, n in zip(old, x, strict=True))  # type: ignore[assignment]

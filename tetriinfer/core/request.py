@@ -25,9 +25,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_FAILED = "finished_failed"
 
-    @property
-    def finished(self) -> bool:
-        return self in FINISHED_STATUSES
+    def __init__(self, value: str) -> None:
+        # a plain attribute, set once per member (read per token: no property call, no enum hash);
+        # invariant: ``status.finished == (status in FINISHED_STATUSES)``
+        self.finished: bool = value.startswith("finished_")
 
 
 FINISHED_STATUSES = frozenset({

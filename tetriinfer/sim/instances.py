@@ -37,7 +37,14 @@ from tetriinfer.core.load import (
 )
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
-from tetriinfer.core.step import SchedulerOutput, StepResult, merge_steps, split_result
+from tetriinfer.core.step import (
+    ScheduledSegment,
+    SchedulerOutput,
+    StepKind,
+    StepResult,
+    merge_steps,
+    split_result,
+)
 from tetriinfer.core.step_inflation import StepInflation, decode_segments
 from tetriinfer.sim.cost_model import CostModel
 from tetriinfer.sim.events import EventLoop
@@ -86,6 +93,29 @@ class InstancePolicies:
     seed: int = 0
 
 
+class OneRowCosts:
+    """The price of a one-row decode step (a segment of one new token at context ``start``, sampled, with
+    ``padding`` tokens of padding), cached by ``(start, padding)``: all such a step's cost depends on, given a
+    pure cost model (``CostModel.step_seconds`` a function of the step's segments and padding only, as both the
+    roofline and the profile model are). One cache serves every instance of a cluster (they share the model).
+
+    Invariant: ``get(seg, padding) == cost.step_seconds(SchedulerOutput(_, _, (seg,), padding))`` bit for bit,
+    for ``seg`` a decode row (``num_tokens == 1``, ``start > 0``, ``sample``)."""
+
+    __slots__ = ("cost", "_cache")
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def get(self, seg: ScheduledSegment, padding: int = 0) -> float:
+        key = (seg.start, padding)
+        secs = self._cache.get(key)
+        if secs is None:
+            secs = self._cache[key] = self.cost.step_seconds(SchedulerOutput(0, StepKind.DECODE, (seg,), padding))
+        return secs
+
+
 def synthetic_result(out: SchedulerOutput) -> StepResult:
     return StepResult(out.step_id, {s.request_id: SAMPLED_TOKEN for s in out.segments if s.sample})
 
@@ -105,6 +135,8 @@ class SimInstance:
         self.steps = 0
         self.step_seconds = 0.0  # the running (or last) step's cost
         self.between_steps: list[Callable[[], None]] = []  # run once the running step ends (live migration)
+        shared = getattr(host, "one_row_costs", None)  # the cluster's, when it prices with the same model
+        self.one_row: OneRowCosts = shared if isinstance(shared, OneRowCosts) and shared.cost is cost else OneRowCosts(cost)
 
     # subclass hooks
     def next_step(self) -> SchedulerOutput | None:
@@ -143,7 +175,15 @@ class SimInstance:
         if out.is_empty:
             self.end_step(out, synthetic_result(out))
             return
-        secs = self.step_seconds = self.cost.step_seconds(out)
+        segs = out.segments
+        if len(segs) == 1:  # a one-row decode step costs what its cached one-row price says (the same float)
+            seg = segs[0]
+            if len(seg.token_ids) == 1 and seg.start > 0 and seg.sample:
+                secs = self.step_seconds = self.one_row.get(seg, out.num_padding_tokens)
+            else:
+                secs = self.step_seconds = self.cost.step_seconds(out)
+        else:
+            secs = self.step_seconds = self.cost.step_seconds(out)
         self.stepping = True
         self.busy_s += secs
         now = self.host.loop.now
@@ -173,10 +213,18 @@ class SimInstance:
         report it spans, as the real instance, which cannot report mid-step, shows)."""
         if interval_s <= 0:
             return 0.0
+        spans = self._spans
+        if not spans:  # no step since the last report: idle (what the sum below gives: 0.0 / interval_s)
+            return min(1.0, 0.0 / interval_s)
         now = self.host.loop.now
         lo = now - interval_s
-        busy = sum(max(0.0, min(end, now) - max(start, lo)) for start, end in self._spans)
-        self._spans = [(start, end) for start, end in self._spans if end > now]
+        busy = 0
+        kept = []
+        for start, end in spans:  # the same terms, added in the same order as ``sum`` over them
+            busy += max(0.0, min(end, now) - max(start, lo))
+            if end > now:
+                kept.append((start, end))
+        self._spans = kept
         return min(1.0, busy / interval_s)
 
 
@@ -265,6 +313,7 @@ class SimPrefill(SimInstance):
             own_queued=self.scheduler.num_queued,
             own_committed_blocks=sum(full_blocks(r) for r in self.kept.requests.values()),
             request_blocks=full_blocks(req), pool_blocks=self.kv.num_blocks, decode_loads=self.decode_loads,
+            views=self.dispatcher.views,
         )
 
     def _try_keep(self, req: Request) -> bool:
@@ -341,7 +390,6 @@ class SimDecode(SimInstance):
         self.local_pending: deque[Request] = deque()  # conditional disaggregation: prefilled here
         self.receiving: set[str] = set()
         self.inflation = StepInflation()
-        self._one_row_s: dict[tuple[int, int], float] = {}  # (context, padding) -> a one-row decode step's cost
 
     def receive(self, h: Handoff) -> None:
         self.pending.append(h)
@@ -403,12 +451,7 @@ class SimDecode(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         if out.is_decode_only:  # as the runtime's decode worker; the cost model also prices its batch-1 version
-            first = out.segments[0]
-            key = (first.start, out.num_padding_tokens)  # all a one-row decode step's cost depends on
-            one_s = self._one_row_s.get(key)
-            if one_s is None:  # the cost model is a pure function of the step: priced once per context length
-                one = SchedulerOutput(out.step_id, out.kind, (first,), out.num_padding_tokens)
-                one_s = self._one_row_s[key] = self.cost.step_seconds(one)
+            one_s = self.one_row.get(out.segments[0], out.num_padding_tokens)  # priced once per context length
             self.inflation.observe(len(out.segments), self.step_seconds, one_s)
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
@@ -438,7 +481,6 @@ class SimColocated(SimInstance):
             kv,
         )
         self.inflation = StepInflation()
-        self._one_row_s: dict[int, float] = {}  # context -> a one-row decode step's cost
 
     def add(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -455,12 +497,7 @@ class SimColocated(SimInstance):
 
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         rows = decode_segments(out)
-        one = None
-        if rows:  # the cost model is a pure function of the step: a one-row decode step priced once per context
-            one = self._one_row_s.get(rows[0].start)
-            if one is None:
-                one = self._one_row_s[rows[0].start] = self.cost.step_seconds(
-                    SchedulerOutput(out.step_id, out.kind, (rows[0],)))
+        one = self.one_row.get(rows[0]) if rows else None  # a one-row decode step, priced once per context
         self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one,
                                          rows=len(rows))  # as the runtime
         upd = self.scheduler.update(out, result)
