@@ -198,7 +198,7 @@ def _train_own(args: argparse.Namespace) -> int:
         raise ValueError(f"{lengths} holds no lengths")
     config = OwnFeatureConfig()
     if args.layers is not None:
-        config = replace(config, layers=tuple(args.layers))
+        config = replace(config, layers=tuple(args.layers), pooling=("last", "mean") if args.layers else ())
     if args.prefix_steps is not None:
         config = replace(config, prefix_steps=args.prefix_steps)
     model = Path(args.model) if args.model else default_model_path()
