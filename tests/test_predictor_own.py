@@ -116,3 +116,20 @@ def test_prefill_hook_feeds_token_ids(trained: Path, tiny_llama: Path) -> None:
     bucket, lower, _upper = hook.predict_one([1, 2, 3], None)
     assert (bucket, lower) == (direct.bucket, direct.lower)
     assert len(hook.predict_many([[1, 2], [3, 4, 5]], [None, None])) == 2
+
+
+def test_server_uses_a_served_model_predictor(trained: Path, tiny_llama: Path) -> None:
+    import httpx
+
+    from tests.serve_helpers import ServeProcess
+
+    srv = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1",
+                       "--predictor", str(trained), "--predictor-mode", "sequential")
+    try:
+        for i in range(3):
+            body = {"model": "llama", "prompt": f"p {i}", "max_tokens": 8, "temperature": 0}
+            r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+        assert srv.cluster()["predictor"]["count"] >= 3
+    finally:
+        assert srv.stop() == 0
