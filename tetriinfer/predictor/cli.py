@@ -85,6 +85,22 @@ def add_subparsers(subparsers: Any) -> None:
     t.add_argument("--select", choices=("loss", "accuracy"), default="loss", help="early-stopping criterion")
     t.set_defaults(handler=_train)
 
+    o = sub.add_parser("train-own", help="fit a served-model predictor: the served model's own features, linear head")
+    o.add_argument("--lengths", default=None, metavar="FILE",
+                   help="JSONL of prompt (the user instruction) + output_tokens (default: the shipped lengths "
+                        "of the default model)")
+    o.add_argument("--model", default=None, metavar="DIR", help="the served model folder (default: the default model)")
+    o.add_argument("--out", required=True, metavar="PREDICTOR_DIR")
+    o.add_argument("--granularity", type=int, default=100, metavar="G")
+    o.add_argument("--max-length-tokens", type=int, default=1000, metavar="N",
+                   help="lengths >= the last closed bucket share the open last bucket")
+    o.add_argument("--layers", type=int, nargs="*", default=None, metavar="L",
+                   help="hidden-state layers (default: the evaluated recipe, docs/predictor.md)")
+    o.add_argument("--prefix-steps", type=int, default=None, metavar="K", help="greedy steps whose statistics are features")
+    o.add_argument("--head", choices=("two-stage", "multinomial"), default="two-stage")
+    o.add_argument("--threads", type=int, default=1, help="torch threads (fixed for determinism)")
+    o.set_defaults(handler=_train_own)
+
     e = sub.add_parser("eval", help="evaluate a predictor on held-out prompts")
     e.add_argument("--predictor", required=True, metavar="DIR")
     e.add_argument(
@@ -165,6 +181,32 @@ def _build_default(args: argparse.Namespace) -> int:
 
     path = build_default_predictor(args.out, num_threads=args.threads) if args.out else default_predictor_path()
     print(f"default predictor: {path}")
+    return 0
+
+
+def _train_own(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.predictor.buckets import BucketSpec
+    from tetriinfer.predictor.default import DEFAULT_TARGET, shipped_lengths_path
+    from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
+
+    lengths = Path(args.lengths) if args.lengths else shipped_lengths_path()
+    rows = [json.loads(x) for x in lengths.read_text(encoding="utf-8").splitlines() if x.strip()]
+    if not rows:
+        raise ValueError(f"{lengths} holds no lengths")
+    config = OwnFeatureConfig()
+    if args.layers is not None:
+        config = replace(config, layers=tuple(args.layers), pooling=("last", "mean") if args.layers else ())
+    if args.prefix_steps is not None:
+        config = replace(config, prefix_steps=args.prefix_steps)
+    model = Path(args.model) if args.model else default_model_path()
+    spec = BucketSpec.for_granularity(args.granularity, args.max_length_tokens)
+    target = str(rows[0].get("model") or (DEFAULT_TARGET if not args.model else model.name))
+    train_own_predictor([r["prompt"] for r in rows], [int(r["output_tokens"]) for r in rows], model, args.out,
+                        spec, target=target, feature_config=config, head_kind=args.head, num_threads=args.threads)
+    print(f"served-model predictor saved to {args.out} ({len(rows)} prompts, model {model})")
     return 0
 
 

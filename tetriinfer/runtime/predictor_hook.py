@@ -1,5 +1,6 @@
 """Length prediction at a prefill instance: ``none``, ``oracle`` (true lengths, for ablations) or a
-trained predictor folder (``tetriinfer predictor train``).
+trained predictor folder: a fine-tuned classifier (``tetriinfer predictor train``) or a served-model
+predictor (``tetriinfer predictor train-own``), which reads the prompt's token ids as served.
 
 ``predict_one(prompt_token_ids, oracle_output_tokens) -> (bucket, lower, upper) | None``.
 """
@@ -30,28 +31,40 @@ class OracleHook:
 
 
 class ModelHook:
-    """A trained classifier; prompts are detokenized with the served model's tokenizer first."""
+    """A trained predictor folder. A fine-tuned classifier sees the prompt detokenized with the served
+    model's tokenizer; a served-model predictor sees the prompt's token ids themselves."""
 
-    def __init__(self, predictor_dir: str, tokenizer: Any) -> None:
-        from tetriinfer.predictor.inference import LengthPredictor
+    def __init__(self, predictor_dir: str, tokenizer: Any, model_dir: str | None = None) -> None:
+        from tetriinfer.predictor.own import OwnModelPredictor, is_own_predictor
 
-        self.predictor = LengthPredictor.load(predictor_dir, device="cpu", num_threads=1)
+        self.predictor: Any
+        self.takes_ids = is_own_predictor(predictor_dir)
+        if self.takes_ids:  # the served model's own features: must be the model being served
+            self.predictor = OwnModelPredictor.load(predictor_dir, model_dir=model_dir, num_threads=1)
+        else:
+            from tetriinfer.predictor.inference import LengthPredictor
+
+            self.predictor = LengthPredictor.load(predictor_dir, device="cpu", num_threads=1)
         self.tokenizer = tokenizer
         self.latencies: list[float] = []
 
+    def _predict(self, prompts: list[list[int]]) -> list[Any]:
+        if self.takes_ids:
+            return list(self.predictor.predict_ids(prompts))
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else "" for ids in prompts]
+        return list(self.predictor.predict(texts))
+
     def predict_one(self, prompt_token_ids: list[int], oracle_output_tokens: int | None) -> tuple[int, int, int] | None:
         t0 = time.perf_counter()
-        text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        p = self.predictor.predict([text])[0]
+        p = self._predict([prompt_token_ids])[0]
         self.latencies.append(time.perf_counter() - t0)
         return self._bounds(p)
 
     def predict_many(
         self, prompts: list[list[int]], oracles: list[int | None]
     ) -> list[tuple[int, int, int] | None]:
-        """One fixed batch through the classifier (cheaper per prompt than one at a time)."""
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else "" for ids in prompts]
-        return [self._bounds(p) for p in self.predictor.predict(texts)]
+        """One fixed batch through the predictor (cheaper per prompt than one at a time for a classifier)."""
+        return [self._bounds(p) for p in self._predict(prompts)]
 
     @staticmethod
     def _bounds(p: Any) -> tuple[int, int, int]:
@@ -59,12 +72,13 @@ class ModelHook:
         return p.bucket, p.lower, upper
 
 
-def make_predictor_hook(spec: str, tokenizer: Any = None) -> OracleHook | ModelHook | None:
+def make_predictor_hook(spec: str, tokenizer: Any = None, model_dir: str | None = None) -> OracleHook | ModelHook | None:
+    """``model_dir`` is the served model's folder (a served-model predictor runs it for its features)."""
     if spec in ("", "none"):
         return None
     if spec == "oracle":
         return OracleHook()
-    return ModelHook(spec, tokenizer)
+    return ModelHook(spec, tokenizer, model_dir)
 
 
 class PredictionService:
