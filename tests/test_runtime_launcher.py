@@ -126,9 +126,10 @@ def test_serve_on_ray_answers_reports_placement_and_cleans_up(tiny_llama: Path, 
     no Ray process behind."""
     ray_tmp = _short_tmp()  # Ray's socket paths under it must fit AF_UNIX's 107 bytes
     with _ray_tmpdir(ray_tmp):
-        server = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances",
-                              "1", "--kv-backend", "tcp", "--launcher", "ray", "--ray-address", "local",
-                              "--startup-timeout", "30")
+        # the fixed split (no decode kept at the prefill instance): a dead decode instance leaves none to decode
+        server = ServeProcess(tiny_llama, "--mode", "tetriinfer", "--pd-controller", "static", "--prefill-instances",
+                              "1", "--decode-instances", "1", "--kv-backend", "tcp", "--launcher", "ray",
+                              "--ray-address", "local", "--startup-timeout", "30")
     try:
         assert _ray_processes(ray_tmp), "Ray's own processes should run under the temp dir we gave it"
         info = server.cluster()["instances"]

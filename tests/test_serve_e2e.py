@@ -12,14 +12,18 @@ import pytest
 from tests.serve_helpers import ServeProcess, pid_alive
 from tetriinfer import LLM, SamplingParams
 
+STATIC = ["--pd-controller", "static"]  # the paper's fixed split: every request prefilled at prefill-0 and transferred
 MODES = {
+    # the default P:D controller (adaptive): a request may be kept at the prefill instance or prefilled locally
     "tetriinfer": ["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--chunk-size", "64",
                    "--chunk-padding", "full"],
-    "tetriinfer-chunkwise": ["--mode", "tetriinfer", "--chunk-size", "32", "--kv-transfer", "chunk"],
-    "tetriinfer-shm": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "shm"],
-    "tetriinfer-torchdist": ["--mode", "tetriinfer", "--chunk-size", "64", "--kv-backend", "torchdist"],
-    "tetriinfer-local": ["--mode", "tetriinfer", "--chunk-size", "32", "--local-prefill", "--local-prefill-weight", "0"],
-    "tetriinfer-keep": ["--mode", "tetriinfer", "--chunk-size", "32", "--keep-decode", "--keep-decode-ratio", "1"],
+    "tetriinfer-chunkwise": ["--mode", "tetriinfer", *STATIC, "--chunk-size", "32", "--kv-transfer", "chunk"],
+    "tetriinfer-shm": ["--mode", "tetriinfer", *STATIC, "--chunk-size", "64", "--kv-backend", "shm"],
+    "tetriinfer-torchdist": ["--mode", "tetriinfer", *STATIC, "--chunk-size", "64", "--kv-backend", "torchdist"],
+    "tetriinfer-local": ["--mode", "tetriinfer", "--chunk-size", "32", "--local-prefill", "--local-prefill-weight", "0",
+                         "--no-keep-decode"],
+    "tetriinfer-keep": ["--mode", "tetriinfer", "--chunk-size", "32", "--keep-decode", "--keep-decode-ratio", "1",
+                        "--no-local-prefill"],
     "distserve": ["--mode", "distserve", "--chunk-size", "64"],
     "colocated": ["--mode", "colocated", "--instances", "2"],
     "sarathi": ["--mode", "sarathi", "--instances", "2", "--chunk-size", "64"],
@@ -27,13 +31,16 @@ MODES = {
 DISAGGREGATED = ("tetriinfer", "tetriinfer-chunkwise", "tetriinfer-shm", "tetriinfer-torchdist", "tetriinfer-local",
                  "tetriinfer-keep", "distserve")
 PROMPTS = ["Hello there", "The capital of France is", "Write a poem about the sea and the sky, please."]
+SEEDED = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 1234}
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     llm = LLM(model=str(tiny_llama))
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
+    greedy = {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
+    outs = llm.generate(PROMPTS, SamplingParams(**SEEDED, ignore_eos=True))
+    return greedy | {("seeded", p): o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -65,6 +72,26 @@ def test_completions_match_offline_engine(server, reference):
         )
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         assert text == reference[prompt]
+
+
+def test_seeded_sampling_matches_offline_engine_wherever_it_runs(server, reference):
+    """Seeded random sampling gives the offline engine's tokens in every mode, alone and in a burst: the sampler
+    state after the first token travels with the hand-off (per request and chunk-wise), and a request kept at its
+    prefill instance or prefilled at a decode instance samples on from its own generator."""
+    async def run() -> list[tuple[str, str]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300)
+        burst = PROMPTS * 4
+        outs = await asyncio.gather(*(
+            client.completions.create(model="llama", prompt=p, **SEEDED, extra_body={"ignore_eos": True})
+            for p in burst
+        ))
+        return [(p, o.choices[0].text) for p, o in zip(burst, outs, strict=True)]
+
+    alone = _client(server).completions.create(model="llama", prompt=PROMPTS[2], **SEEDED,
+                                               extra_body={"ignore_eos": True})
+    assert alone.choices[0].text == reference[("seeded", PROMPTS[2])], f"mode {server.mode}"
+    for prompt, text in asyncio.run(run()):
+        assert text == reference[("seeded", prompt)], f"mode {server.mode}"
 
 
 CONCURRENT_PROMPTS = [f"Request {i}: " + "tell me more about the sea " * (i % 5 * 3) for i in range(10)]
@@ -135,6 +162,10 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
     elif server.mode == "tetriinfer-keep":  # the burst's tail, with the decode instance busy, decodes at prefill-0
         assert 0 < info["kept_decodes"] < 64
         assert info["transfers"]["count"] + info["kept_decodes"] >= 64
+    elif server.mode == "tetriinfer":  # adaptive: each request transferred, kept at prefill-0 or prefilled locally
+        assert set(by_role) <= {"prefill", "decode"}
+        assert by_role.get("decode", {"count": 0})["count"] == info["local_prefills"]
+        assert info["transfers"]["count"] + info["kept_decodes"] + info["local_prefills"] >= 64
     elif server.mode in DISAGGREGATED:
         assert set(by_role) == {"prefill"} and by_role["prefill"]["count"] >= 64
         assert info["transfers"]["count"] >= 64

@@ -14,8 +14,9 @@ from tests.serve_helpers import ServeProcess
 @pytest.fixture(scope="module", params=["parallel", "sequential"])
 def predicted_server(request, tiny_llama):
     srv = ServeProcess(
-        tiny_llama, "--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "2",
-        "--chunk-size", "64", "--predictor", "oracle", "--predictor-mode", request.param,
+        # the fixed split: every prompt is prefilled (and predicted) at prefill-0 and dispatched
+        tiny_llama, "--mode", "tetriinfer", "--pd-controller", "static", "--prefill-instances", "1",
+        "--decode-instances", "2", "--chunk-size", "64", "--predictor", "oracle", "--predictor-mode", request.param,
         "--decode-policy", "reserve-dynamic",
     )
     yield srv

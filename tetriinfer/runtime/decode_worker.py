@@ -62,7 +62,7 @@ class DecodeWorker:
         self.receiver = KVReceiver(ctx, on_done=self._kv_in, on_gave_up=self._gave_up)
         self.ended = RecentIds()  # aborted here: a Handoff that comes after its Abort holds nothing
         # chunk-wise transfers: first tokens that arrived (PrefillDone) and KV that completed first
-        self.first_tokens: dict[str, list[int]] = {}
+        self.first_tokens: dict[str, PrefillDone] = {}  # early hand-offs: first token(s) in before the KV
         self.kv_complete: dict[str, Receiving] = {}
         self.inflation = StepInflation()  # how much batching slows each step (flip policy's decode load)
         self.emigration = Emigration(ctx, self.scheduler)  # running decodes leaving (live migration)
@@ -89,7 +89,7 @@ class DecodeWorker:
             self.local_pending.append(msg)
             self._admit_local()
         elif isinstance(msg, PrefillDone):
-            self.first_tokens[msg.request_id] = list(msg.output_token_ids)
+            self.first_tokens[msg.request_id] = msg
             rcv = self.kv_complete.pop(msg.request_id, None)
             if rcv is not None:
                 self._activate(rcv)
@@ -148,8 +148,11 @@ class DecodeWorker:
             return
         if rcv.handoff.early:
             req = self.scheduler.reserved[rid]
-            req.output_token_ids = self.first_tokens.pop(rid)
+            done = self.first_tokens.pop(rid)
+            req.output_token_ids = list(done.output_token_ids)
             req.num_computed_tokens = req.num_tokens - 1
+            if done.rng_state and req.sampling_params.seed is not None:  # sample on where the prefill side stopped
+                self.ctx.runner.sampler.import_state(rid, req.sampling_params.seed, done.rng_state)
         self.receiver.install(rcv, self.scheduler.block_table(rid))
         self.scheduler.on_kv_received(rid)
         self.ctx.reply_peer(rcv.handoff.prefill_id, KVDone(rid))

@@ -143,7 +143,9 @@ class Handoff(msgspec.Struct, tag=True, frozen=True):
     # arrives block by block (one slot per layer, K/V and block) and ``PrefillDone`` brings the first token.
     early: bool = False
     # Live migration: a running decode moving from instance ``prefill_id`` (the source). The target admits it at
-    # once or answers KVDone(failed) (the source decodes it on); ``rng_state``: its seeded sampler's state.
+    # once or answers KVDone(failed) (the source decodes it on).
+    # ``rng_state``: a seeded request's sampler state where its source stopped (after the first token for a
+    # prefilled request, empty for an unseeded one or an early chunk-wise hand-off: PrefillDone brings it then).
     migrated: bool = False
     rng_state: bytes = b""
     # Pull hand-off (per-request path): the staged KV lies in this region the prefill instance registered; the
@@ -156,6 +158,7 @@ class PrefillDone(msgspec.Struct, tag=True, frozen=True):
 
     request_id: str
     output_token_ids: list[int]
+    rng_state: bytes = b""  # a seeded request's sampler state after those tokens (empty: unseeded)
 
 
 class KVReady(msgspec.Struct, tag=True, frozen=True):

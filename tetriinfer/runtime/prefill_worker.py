@@ -59,6 +59,7 @@ class StagedKV:
     sending_tid: str | None = None
     send_started: float = 0.0
     region: RemoteRegion | None = None  # pull hand-off: ``tensors`` registered for one-sided reads
+    rng_state: bytes = b""  # a seeded request's sampler state after its first token (travels with the hand-off)
 
     @property
     def nbytes(self) -> int:
@@ -263,7 +264,10 @@ class PrefillWorker:
             self._stage(req)
             return
         stream.prefilled = True
-        if not self.ctx.reply_peer(stream.decode_id, PrefillDone(req.request_id, list(req.output_token_ids))):
+        # a seeded request's sampler state goes along (the decode instance samples on from it); the generator stays
+        # here until the KV is in, for the staging fallback should the stream fail
+        rng = self.ctx.runner.sampler.export_state(req.request_id)
+        if not self.ctx.reply_peer(stream.decode_id, PrefillDone(req.request_id, list(req.output_token_ids), rng)):
             # the decode instance left the peer table mid-stream: hand the request over another way, as after a
             # failed chunk-wise transfer (staging copy + dispatch to a live decode instance)
             self._decode_gone(stream.decode_id)
@@ -369,6 +373,8 @@ class PrefillWorker:
             return False
         table = self.kept.block_table(rid)
         self.ctx.runner.kv.write_blocks(table[: staged.num_blocks], staged.tensors)
+        if staged.rng_state and req.sampling_params.seed is not None:
+            self.ctx.runner.sampler.import_state(rid, req.sampling_params.seed, staged.rng_state)
         self.kept.on_kv_received(rid)
         self._drop(rid)
         self.ctx.send_front(Dispatched(rid, self.ctx.instance_id))
@@ -390,7 +396,11 @@ class PrefillWorker:
         else:
             tensors = kv.read_blocks(table[:n])
         self.scheduler.release(req.request_id)
-        self.staged[req.request_id] = StagedKV(req, tensors, n, region=region)
+        # a seeded request's generator leaves with it: whichever instance decodes it samples on from this state,
+        # so its tokens are the ones a single colocated instance (or the offline engine) gives
+        rng = self.ctx.runner.sampler.export_state(req.request_id)
+        self.ctx.runner.sampler.drop([req.request_id])
+        self.staged[req.request_id] = StagedKV(req, tensors, n, region=region, rng_state=rng)
         self._dispatch(req.request_id)
 
     def _dispatch(self, rid: str) -> None:
@@ -401,7 +411,8 @@ class PrefillWorker:
             if rid not in self.awaiting_dispatch:
                 self.awaiting_dispatch.append(rid)
             return
-        if not self._send_handoff(req, decision.instance_id, staged.num_blocks, early=False, kv_region=staged.region):
+        if not self._send_handoff(req, decision.instance_id, staged.num_blocks, early=False, kv_region=staged.region,
+                                  rng_state=staged.rng_state):
             self._decode_gone(decision.instance_id)
             if rid not in self.awaiting_dispatch:  # retried next step, among the live decode instances
                 self.awaiting_dispatch.append(rid)
@@ -412,7 +423,7 @@ class PrefillWorker:
         self.ctx.send_front(Dispatched(rid, decision.instance_id))
 
     def _send_handoff(self, req: Request, decode_id: str, num_blocks: int, early: bool,
-                      kv_region: RemoteRegion | None = None) -> bool:
+                      kv_region: RemoteRegion | None = None, rng_state: bytes = b"") -> bool:
         """Send the request's ``Handoff``; False (nothing sent) when ``decode_id`` left the peer table (died or
         retired since the load report that chose it)."""
         pred = None
@@ -432,6 +443,7 @@ class PrefillWorker:
                 prediction=pred,
                 early=early,
                 kv_region=kv_region,
+                rng_state=rng_state,
             ),
         )
 
@@ -517,6 +529,7 @@ class PrefillWorker:
             if not msg.failed:
                 if rid in self.scheduler.handed_over:
                     self.scheduler.release(rid)
+                self.ctx.runner.sampler.drop([rid])
                 return
             # Chunk-wise transfer failed: fall back to the per-request path (staging copy + re-dispatch).
             self.no_stream.add(rid)
@@ -558,6 +571,7 @@ class PrefillWorker:
                 self.scheduler.release(rid)
         self.kept.abort(rid)
         self._drop(rid)
+        self.ctx.runner.sampler.drop([rid])
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
         rep = self.scheduler.load_report(self.ctx.instance_id, now, utilization, state)
