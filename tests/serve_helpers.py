@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -95,3 +96,26 @@ def write_cpu_layout(folder: Path, **knobs: int | str | list[str]) -> str:
     path = Path(folder) / "cpu_layout.toml"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+StreamResult = tuple[str, str | None, int]  # text, the last finish_reason, completion tokens (-1: no usage chunk)
+
+
+async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict) -> StreamResult:
+    """POST ``body`` to ``/v1/completions`` as a stream (usage included) and gather it; asserts HTTP 200 and that
+    no event carries an error."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, used = "", None, -1
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            for ch in ev["choices"]:
+                text += ch["text"]
+                finish = ch["finish_reason"] or finish
+            if ev.get("usage"):
+                used = ev["usage"]["completion_tokens"]
+    return text, finish, used

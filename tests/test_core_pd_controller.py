@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.sim_helpers import COST
 from tetriinfer.bench.workloads import Workload, WorkloadRequest
 from tetriinfer.core.flip_policy import FlipAction, FlipConfig
 from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
@@ -19,17 +20,7 @@ from tetriinfer.core.pd_controller import (
 )
 from tetriinfer.runtime.cluster_config import ClusterConfig
 from tetriinfer.sim.cluster import SimCluster, SimConfig
-from tetriinfer.sim.cost_model import ProfileCostModel
 from tetriinfer.sim.shift import phase_names, phased_workload
-
-PROFILE = {
-    "model": "test",
-    "prefill": [{"tokens": 16, "seconds": 0.012}, {"tokens": 128, "seconds": 0.06}, {"tokens": 512, "seconds": 0.22},
-                {"tokens": 1024, "seconds": 0.45}],
-    "decode": [{"batch": 1, "seconds": 0.011}, {"batch": 4, "seconds": 0.0154}, {"batch": 16, "seconds": 0.0347},
-               {"batch": 32, "seconds": 0.0469}],
-}
-COST = ProfileCostModel.from_profile(PROFILE)
 
 
 def test_config_and_workload_names_are_validated() -> None:

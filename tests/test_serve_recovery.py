@@ -7,7 +7,6 @@ survivors' KV blocks return to 0 (tiny model, loopback, small sizes; the 100-str
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import zmq
 
-from tests.serve_helpers import ServeProcess
+from tests.serve_helpers import ServeProcess, stream_completion
 from tetriinfer.runtime import messages as m
 
 STREAMS = 12
@@ -28,22 +27,8 @@ def _prompt(i: int) -> str:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, i: int) -> tuple[str, str | None, int]:
-    body = {"model": model, "prompt": _prompt(i), "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    text, finish, used = "", None, -1
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            for ch in ev["choices"]:
-                text += ch["text"]
-                finish = ch["finish_reason"] or finish
-            if ev.get("usage"):
-                used = ev["usage"]["completion_tokens"]
-    return text, finish, used
+    body = {"model": model, "prompt": _prompt(i), "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    return await stream_completion(client, url, body)
 
 
 def _instances(srv: ServeProcess) -> dict[str, dict]:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.sim_helpers import COST, PROFILE
 from tetriinfer.bench.metrics import summarize
 from tetriinfer.bench.side_by_side import CELL_KEYS, parse_columns
 from tetriinfer.bench.workloads import Workload, WorkloadRequest, load_workload
@@ -32,14 +33,6 @@ from tetriinfer.sim.instances import SimPrefill
 from tetriinfer.sim.link import Links
 from tetriinfer.sim.side_by_side import SimSideBySide, SimSideBySideConfig, markdown_report
 
-PROFILE = {
-    "model": "test",
-    "prefill": [{"tokens": 16, "seconds": 0.012}, {"tokens": 128, "seconds": 0.06}, {"tokens": 512, "seconds": 0.22},
-                {"tokens": 1024, "seconds": 0.45}],
-    "decode": [{"batch": 1, "seconds": 0.011}, {"batch": 4, "seconds": 0.0154}, {"batch": 16, "seconds": 0.0347},
-               {"batch": 32, "seconds": 0.0469}],
-}
-COST = ProfileCostModel.from_profile(PROFILE)
 P = SamplingParams(max_tokens=4)
 
 
