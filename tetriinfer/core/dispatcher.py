@@ -239,17 +239,11 @@ class Dispatcher:
         least_room = view.min_room if wait else view.min_free
         if view.block_size is not None and least_room >= -(-need // view.block_size):
             alpha, alpha_ids = cands, view.ids  # every candidate has the blocks: no scan
-        elif wait:  # only where it is admitted now: free blocks net of what already waits there
+        else:  # with wait, only where it is admitted now: free blocks net of what already waits there
             alpha = [
                 r for r in cands
-                if r.num_free_blocks - r.num_waiting_blocks
+                if r.num_free_blocks - (r.num_waiting_blocks if wait else 0)
                 >= min(r.num_free_blocks + r.num_used_blocks, -(-need // r.block_size))
-            ]
-            alpha_ids = tuple(r.instance_id for r in alpha)
-        else:
-            alpha = [
-                r for r in cands
-                if r.num_free_blocks >= min(r.num_free_blocks + r.num_used_blocks, -(-need // r.block_size))
             ]
             alpha_ids = tuple(r.instance_id for r in alpha)
         if not alpha:
