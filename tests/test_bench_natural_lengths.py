@@ -33,3 +33,41 @@ def test_natural_lengths_drop_ignore_eos_and_keep_the_cap(tiny_llama: Path, tmp_
         ClientConfig("http://x", "m", output_lengths="exact")
     with pytest.raises(ValueError, match="tokenizer"):
         load_workload("alpaca", 2, tokenizer=None)
+
+
+def test_real_class_workloads_use_held_out_prompts_of_the_named_class(smollm2: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tetriinfer.bench.real_workloads import HEAVY_PREFILL_TOKENS, TASKS, _known_lengths
+    from tetriinfer.predictor.dataset import split_of
+    from tetriinfer.predictor.default import served_prompt_text
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    known = _known_lengths()
+    rendered = {tok.apply_chat_template([{"role": "user", "content": k}], tokenize=False,
+                                        add_generation_prompt=True): k for k in known}
+    lphd = load_workload("real:lphd", 40, rate=1.0, seed=3, tokenizer=str(smollm2), max_output_tokens=256)
+    assert lphd.name == "real:lphd" and len(lphd) == 40
+    assert len({r.prompt_text for r in lphd}) == 40  # without replacement while the pool lasts
+    for r in lphd:
+        instruction = rendered[r.prompt_text]  # a real AlpacaEval instruction, chat-rendered
+        assert known[instruction] > 128 and r.output_tokens == 256 and r.prompt_tokens <= HEAVY_PREFILL_TOKENS
+        assert split_of(served_prompt_text(tok, instruction), 0, 0.2) == "val"  # never trained on
+        assert r.prompt_tokens == len(tok.encode(r.prompt_text, add_special_tokens=False))
+    mixed = load_workload("real:mixed", 10, rate=1.0, seed=3, tokenizer=str(smollm2), max_output_tokens=256,
+                          max_prompt_tokens=1024)
+    classes = [r.request_id.split("-")[1] for r in mixed]
+    assert sorted(classes.count(c) for c in ("lpld", "lphd", "hpld", "hphd")) == [2, 2, 3, 3]
+    for r, c in zip(mixed, classes, strict=True):
+        assert (r.prompt_tokens > HEAVY_PREFILL_TOKENS) == (c[:2] == "hp") and r.prompt_tokens <= 1024
+        assert r.output_tokens == (256 if c[2:] == "hd" else 128)
+        assert (TASKS["ld"] in r.prompt_text) == (c == "hpld") and (TASKS["hd"] in r.prompt_text) == (c == "hphd")
+    again = load_workload("real:mixed", 10, rate=1.0, seed=3, tokenizer=str(smollm2), max_output_tokens=256,
+                          max_prompt_tokens=1024)
+    assert [r.to_dict() for r in again] == [r.to_dict() for r in mixed]
+    with pytest.raises(ValueError, match="real:CLASS"):
+        load_workload("real:chat", 2, tokenizer=str(smollm2))
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_workload("real:lphd", 2, tokenizer=None)
+    with pytest.raises(ValueError, match="heavy_cap"):
+        load_workload("real:lphd", 2, tokenizer=str(smollm2), max_output_tokens=100)

@@ -37,7 +37,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "--workload",
         "-w",
         default="mixed",
-        help=f"{', '.join(CLASS_NAMES)} or trace:FILE (Azure CSV or Mooncake JSONL); default mixed",
+        help=f"{', '.join(CLASS_NAMES)}, trace:FILE (Azure CSV or Mooncake JSONL), alpaca[:FILE] or real:CLASS "
+        "(the classes from real chat prompts; needs --tokenizer); default mixed",
     )
     g.add_argument(
         "--num-requests", "-n", type=int, default=200, help="requests to send (first N of a trace)"
@@ -405,7 +406,8 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument("--model", default=None, help="HF model folder or name (default: smollm2-135m-instruct; tiny-llama: seeded random)")
     p.add_argument("--workloads", default=",".join(CLASS_NAMES),
-                   help="comma-separated: lpld,lphd,hpld,hphd,mixed and/or trace:FILE")
+                   help="comma-separated: lpld,lphd,hpld,hphd,mixed, trace:FILE, alpaca[:FILE] and/or real:CLASS "
+                   "(the classes from real chat prompts, for --output-lengths natural)")
     p.add_argument("--modes", default="tetriinfer,colocated,sarathi,distserve",
                    help="comma-separated modes; NAME=MODE adds a named variant (e.g. tetri-sjf=tetriinfer); "
                    "'colocated' is required (the baseline)")

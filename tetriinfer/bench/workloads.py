@@ -375,10 +375,13 @@ def load_workload(
     tokenizer: str | None = None,
     output_cap: int = 1024,
 ) -> Workload:
-    """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed``, ``trace:FILE``, ``scale:N`` or ``alpaca[:FILE]``.
+    """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed``, ``trace:FILE``, ``scale:N``, ``alpaca[:FILE]``
+    or ``real:CLASS``.
 
     - ``alpaca[:FILE]``: real prompts (see ``alpaca_workload``; needs the served model's ``tokenizer``),
       each asking for at most ``output_cap`` tokens.
+    - ``real:CLASS``: the classes built from real prompts for natural output lengths (see
+      ``bench/real_workloads.py``; needs ``tokenizer``); ``max_output_tokens`` is the heavy-decode cap.
 
     - ``num_requests``: class workloads draw this many; traces take their first ``num_requests`` rows.
     - ``rate``: mean request rate (req/s). Class workloads: rate of the Poisson/gamma process, or None
@@ -430,6 +433,14 @@ def load_workload(
             f"scale:{int(count)}", f"{int(count)} requests drawn from {source}", "scale", rows, num_requests, rate,
             seed, arrival, burstiness_cv, None, max_prompt_tokens, max_output_tokens, max_context, length_scale,
         )
+    if key.lower().startswith("real:"):
+        from tetriinfer.bench.real_workloads import real_class_workload
+
+        if tokenizer is None:
+            raise ValueError("real:CLASS workloads need the served model's tokenizer (--tokenizer DIR)")
+        return real_class_workload(key, num_requests, rate, seed, tokenizer, heavy_cap=max_output_tokens or 384,
+                                   max_prompt_tokens=max_prompt_tokens or 1536, arrival=arrival,
+                                   burstiness_cv=burstiness_cv, max_context=max_context)
     if key.lower() == "alpaca" or key.lower().startswith("alpaca:"):
         if tokenizer is None:
             raise ValueError("the alpaca workload needs the served model's tokenizer (--tokenizer DIR)")
