@@ -361,3 +361,29 @@ def test_token_ids_range_spans_prompt_and_output_like_their_concatenation() -> N
     for start in range(len(whole) + 1):
         for end in range(start, len(whole) + 1):
             assert req.token_ids_range(start, end) == whole[start:end], (start, end)
+
+
+def test_a_lone_request_short_of_blocks_held_elsewhere_waits_and_never_ends_short() -> None:
+    """Kept at a prefill instance, a decode shares the pool with the prompts being prefilled there; alone in its
+    batch and out of blocks, it is preempted (and resumes when the blocks come back), not ended with
+    FINISHED_LENGTH: only a context larger than the whole pool ends that way."""
+    sched = make("greedy", 8)
+    req = prefilled("kept", 4, 20)  # 5 tokens now, 24 at the end: 6 of the 8 blocks
+    assert admit(sched, req)
+    assert sched.kv.allocate_slots("prefill-side", 6 * BS)  # the prefill scheduler's prompt holds the other 6
+    preempted = False
+    for _ in range(60):
+        out, finished = step(sched)
+        preempted |= bool(out.preempted_request_ids)
+        assert not finished or req.num_output_tokens == 20
+        if preempted and sched.kv.num_blocks_of("prefill-side"):
+            sched.kv.free_request("prefill-side")  # its prompt is prefilled and staged: the blocks come back
+        if not sched.has_unfinished():
+            break
+    assert preempted and req.status is RequestStatus.FINISHED_LENGTH and req.num_output_tokens == 20
+    too_long = make("greedy", 4)
+    big = prefilled("big", 4, 40)  # 44 tokens can never fit 4 blocks of 4
+    assert admit(too_long, big)
+    while too_long.has_unfinished():
+        step(too_long)
+    assert big.status is RequestStatus.FINISHED_LENGTH and big.num_computed_tokens == 16  # every slot used

@@ -7,7 +7,8 @@ The run: the first 200 requests of the Azure conversation trace (``fixtures/azur
 the probed colocated capacity, Llama-3-8B on four simulated A100-80GB (2 prefill + 2 decode), columns
 tetriinfer (flips, keep-decode, local prefill, oracle predictor at 80% accuracy), distserve (flips), colocated
 and sarathi, with the floor. The golden JSON holds the whole result (wall-clock fields dropped) and, per column,
-a digest of every request's record (arrival, first token, every token time, finish).
+a digest of every request's record (arrival, first token, every token time, finish). The simulator's event
+count is left out: it measures the simulator's work (steady decode runs take one event for many steps).
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ HERE = Path(__file__).parent
 GOLDEN = HERE / "fixtures" / "sim_golden.json"
 TRACE = HERE / "fixtures" / "azure_conv_head200.csv"
 WALL_CLOCK_KEYS = ("wall_s", "started_at")
+SIMULATOR_WORK_KEYS = ("events",)  # how much work the simulator did, not a simulated number
+
+
+def _drop_keys(obj: Any, keys: tuple[str, ...]) -> None:
+    if isinstance(obj, dict):
+        for key in keys:
+            obj.pop(key, None)
+        for value in obj.values():
+            _drop_keys(value, keys)
+    elif isinstance(obj, list):
+        for value in obj:
+            _drop_keys(value, keys)
 
 
 def golden_config(jobs: int = 1) -> Any:
@@ -49,6 +62,7 @@ def golden_json(jobs: int = 1) -> str:
     result, raw = SimSideBySide(golden_config(jobs), cost, "golden").run()
     for key in WALL_CLOCK_KEYS:
         result["meta"].pop(key)
+    _drop_keys(result, SIMULATOR_WORK_KEYS)
     digests = {wl: {label: hashlib.sha256(json.dumps(col["requests"], sort_keys=True).encode()).hexdigest()
                     for label, col in cols.items()} for wl, cols in raw.items()}
     text = json.dumps({"result": result, "request_digests": digests}, sort_keys=True, indent=1) + "\n"

@@ -35,6 +35,7 @@ from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment
 from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
+from tetriinfer.core.steady_decode import advance_steady, is_decode_row, steady_run_length, steady_step_output
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
 
@@ -268,6 +269,28 @@ class _ColocatedBase(Detachable):
                 finished.append(req)
         return StepUpdate(new_tokens, tuple(finished))
 
+    # ---- steady decode runs (``core.steady_decode``) ----------------------------------------
+    _decode_limit_attr = "max_num_seqs"  # the config field that caps the rows of a decode step
+
+    def steady_steps(self, token: int, limit: int) -> int:
+        """How many of the next steps (at most ``limit``) are steady: pure decode steps of exactly the running
+        requests, each sampling ``token``, with nothing waiting (a new arrival ends the run: the caller must not
+        add requests or KV inside it), no prefix cache to name blocks in, nothing preempted or finishing."""
+        if (self.waiting or self._ended_in_schedule or self._table.has_finished_to_drain
+                or self.kv.prefix_caching or len(self.running) > getattr(self.config, self._decode_limit_attr)):
+            return 0
+        if not all(map(is_decode_row, self.running)):
+            return 0
+        return steady_run_length(self.running, self.kv, token, self.config.max_model_len, limit)
+
+    def advance_steady(self, token: int, done: int, to: int) -> None:
+        """Apply half steps ``done`` -> ``to`` of a steady run at once (the state step-by-step calls leave)."""
+        self._step_id += advance_steady(self.running, self.kv, token, done, to)
+
+    def steady_output(self) -> SchedulerOutput:
+        """What ``schedule()`` returned for the steady run's step in flight (after an odd half step)."""
+        return steady_step_output(self.running, self.kv, self._step_id)
+
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         if self._seats_taken() > self.config.max_num_seqs:
@@ -304,6 +327,8 @@ class VLLMScheduler(_ColocatedBase):
 
 
 class SarathiScheduler(_ColocatedBase):
+    _decode_limit_attr = "max_num_batched_tokens"  # decode rows share the hybrid step's token budget
+
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
         cfg = self.config

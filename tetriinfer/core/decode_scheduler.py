@@ -52,6 +52,7 @@ from tetriinfer.core.local_scheduler import _segment
 from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
+from tetriinfer.core.steady_decode import advance_steady, is_decode_row, steady_run_length, steady_step_output
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
 
@@ -351,8 +352,11 @@ class DecodeScheduler(Detachable):
                 segments.append(_segment(req, start, n, block_ids(rid)))
                 continue
             victim = self.running[-1]
-            if victim is req and len(self.running) == 1 and not self.reserved:
-                # Alone and still out of memory: its context is larger than the whole pool.
+            if victim is req and len(self.running) == 1 and kv.pool.blocks_for_tokens(total) > kv.num_blocks:
+                # Alone and still out of memory: its context is larger than the whole pool. (Alone but within the
+                # pool, the blocks it lacks are held elsewhere: reservations, requests leaving by migration, or
+                # the prefill side of a shared pool when it is kept at a prefill instance. It is preempted then,
+                # below, and resumes once they are back; it never ends short.)
                 self._table.mark_finished(req, RequestStatus.FINISHED_LENGTH)
                 self._ended_in_schedule.append(req)
                 continue
@@ -430,6 +434,33 @@ class DecodeScheduler(Detachable):
             self.suspended.appendleft(req)
         else:
             self.suspended.append(req)
+
+    # ---- steady decode runs (``core.steady_decode``) ----------------------------------------
+    def steady_steps(self, token: int, limit: int) -> int:
+        """How many of the next steps (at most ``limit``) are steady: pure decode steps of exactly the running
+        requests, each sampling ``token``, in which nothing resumes, is preempted or finishes (reserved
+        requests do not run before ``on_kv_received``, which the caller must not call inside the run)."""
+        if self.suspended or self._ended_in_schedule or self._table.has_finished_to_drain:
+            return 0
+        if not all(map(is_decode_row, self.running)):
+            return 0
+        return steady_run_length(self.running, self.kv, token, self.config.max_model_len, limit)
+
+    def advance_steady(self, token: int, done: int, to: int) -> None:
+        """Apply half steps ``done`` -> ``to`` of a steady run at once: the state ``schedule()`` / ``update()``
+        called step by step would leave (reservations extended as ``schedule`` extends them)."""
+        target = self._target
+
+        def extended(rid: str, held: int) -> None:
+            if held > target[rid]:
+                target[rid] = held
+                self.num_extensions += 1
+
+        self._step_id += advance_steady(self.running, self.kv, token, done, to, extended)
+
+    def steady_output(self) -> SchedulerOutput:
+        """What ``schedule()`` returned for the steady run's step in flight (after an odd half step)."""
+        return steady_step_output(self.running, self.kv, self._step_id)
 
     # ---- results -------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: StepResult) -> DecodeStepUpdate:

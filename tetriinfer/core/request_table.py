@@ -122,6 +122,11 @@ class RequestTable:
         del self._requests[rid]
         self._finished_since_last.append(rid)
 
+    @property
+    def has_finished_to_drain(self) -> bool:
+        """Whether some id waits for the next ``drain_finished``."""
+        return bool(self._finished_since_last)
+
     def drain_finished(self) -> tuple[str, ...]:
         """Ids finished since the previous drain, in finishing order; the list is emptied."""
         ids = tuple(self._finished_since_last)

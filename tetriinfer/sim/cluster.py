@@ -83,6 +83,8 @@ class SimConfig:
     scale_out_s: float = 5.0  # --autoscale: decision -> a new instance takes work (process start + weights load)
     max_concurrency: int | None = None
     max_sim_s: float = 7 * 24 * 3600.0
+    steady_runs: bool = True  # price steady decode runs at once (sim.instances.SteadyRun); False: every step an
+    # event (the same numbers, slower; for checking)
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 1:
@@ -168,6 +170,7 @@ class SimCluster:
         self.cost = cost
         c = config.cluster
         self.loop = EventLoop()
+        self.steady_runs = config.steady_runs  # read by every instance made (``SimInstance.steady_runs``)
         self.links = Links(config.link_bandwidth, config.link_latency)
         self.policy = GlobalPolicy(LocalPrefillConfig(enabled=c.local_prefill and c.disaggregated,
                                                       interference_weight=c.local_prefill_weight),
@@ -384,6 +387,30 @@ class SimCluster:
             if req.status is not RequestStatus.FINISHED_ABORTED:
                 self._end(req.request_id, success=True, reason=None)
 
+    def on_token_run(self, request_ids: list[str], times: list[float]) -> None:
+        """``on_tokens`` for a steady decode run: each request streamed one token at each of ``times`` (none
+        finishes within a run; each has streamed its first token before)."""
+        n = len(times)
+        if not n:
+            return
+        records, streamed, last = self._records, self.policy.on_tokens, times[-1]
+        ones = array("b", bytes([1])) * n
+        for rid in request_ids:
+            rec = records[rid]
+            if rec.first_token_s is None:  # not so in a run; ``on_tokens``' bookkeeping all the same
+                for t in times:
+                    if rec.first_token_s is None:
+                        rec.first_token_s = t
+                    rec.chunk_times_s.append(t)
+                    rec.chunk_tokens.append(1)
+                    rec.output_tokens += 1
+                    streamed(rid, 1, t)
+                continue
+            rec.chunk_times_s.extend(times)
+            rec.chunk_tokens.extend(ones)
+            rec.output_tokens += n
+            streamed(rid, n, last)
+
     def on_failed(self, request_id: str, reason: str) -> None:
         self._end(request_id, success=False, reason=reason)
 
@@ -552,11 +579,13 @@ class SimCluster:
         self._inbound[target] = self._inbound.get(target, 0) + 1
 
         def back_to_source() -> None:
+            src.interrupt()
             src.scheduler.reattach(rid)
             src.kick()
             settled(rid, False)
 
         def kv_done() -> None:
+            src.interrupt()
             src.scheduler.release_migrated(rid)
             src.kick()
             settled(rid, True)
@@ -564,6 +593,8 @@ class SimCluster:
         def arrive() -> None:
             self._inbound[target] -= 1
             dst = self.instances.get(target)
+            if dst is not None:
+                dst.interrupt()
             try:
                 ok = (isinstance(dst, SimDecode | SimColocated) and dst.state is InstanceState.ACTIVE
                       and dst.scheduler.admit_migrant(self._receiver_copy(req)))
@@ -577,6 +608,7 @@ class SimCluster:
             self.migration_log["bytes"] += nbytes
 
             def kv_in() -> None:
+                dst.interrupt()
                 dst.scheduler.on_kv_received(rid)
                 dst.kick()
                 with contextlib.suppress(KeyError, ValueError):

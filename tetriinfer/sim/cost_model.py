@@ -32,6 +32,9 @@ from tetriinfer.model_config import MODEL_PRESETS, ModelConfig, model_config  # 
 class CostModel(Protocol):
     def step_seconds(self, out: SchedulerOutput) -> float: ...
 
+    # optional: ``decode_run_seconds(context_sum, rows, steps) -> list[float] | None``, the prices of a steady
+    # decode run (``core.steady_decode``) equal to ``step_seconds`` of each of its steps bit for bit
+
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
     """Piecewise-linear through (xs, ys) (sorted xs), extended linearly past both ends; >= 0."""
@@ -115,6 +118,11 @@ class ProfileCostModel:
         if out.is_decode_only:
             return self.decode_seconds(len(out.segments)) + self.step_overhead_s
         return self.prefill_seconds(out.num_scheduled_tokens + out.num_padding_tokens) + self.step_overhead_s
+
+    def decode_run_seconds(self, context_sum: int, rows: int, steps: int) -> list[float] | None:
+        """``step_seconds`` of ``steps`` consecutive pure decode steps of ``rows`` rows (a decode step's price here
+        depends on its batch only): the same float for every step."""
+        return [self.decode_seconds(rows) + self.step_overhead_s] * steps
 
     def describe(self) -> str:
         return f"profile {self.source or '(inline)'}, step overhead {self.step_overhead_s * 1e3:.1f} ms"
@@ -233,6 +241,27 @@ class RooflineCostModel:
         head = max(self._head_flops * sampled / peak, self._head_read_s)  # type: ignore[attr-defined]
         attn = max(attn_flops / peak, (kv_read + tokens * per_token) / self._bw)  # type: ignore[attr-defined]
         return linear + head + attn + self.step_overhead_s
+
+    def decode_run_seconds(self, context_sum: int, rows: int, steps: int) -> list[float] | None:
+        """``step_seconds`` of ``steps`` consecutive pure decode steps of ``rows`` rows (one sampled token each, no
+        padding) whose ``start + 1`` sum to ``context_sum`` at the first step and grow by ``rows`` per step, bit
+        for bit, without building the steps: ``step_seconds`` adds integer-valued floats there (each row's
+        ``attn x (start + 1)`` and ``(start + 1) x KV bytes``), which is exact below 2**53, so the sums equal
+        ``attn x context_sum`` and ``context_sum x KV bytes``. None when a sum could reach 2**53 (or the attention
+        constant is not an integer): then only ``step_seconds`` gives the exact float."""
+        peak, bw = self._peak, self._bw  # type: ignore[attr-defined]
+        per_token, attn_c = self._kv_per_token, self._attn_flops  # type: ignore[attr-defined]
+        last = context_sum + rows * (steps - 1)
+        if not attn_c.is_integer() or attn_c * last >= 2.0**53 or (last + rows) * per_token >= 2**53:
+            return None
+        linear = max(self._linear_flops * rows / peak, self._linear_read_s)  # type: ignore[attr-defined]
+        head = max(self._head_flops * rows / peak, self._head_read_s)  # type: ignore[attr-defined]
+        overhead, tail = self.step_overhead_s, rows * per_token
+        out = []
+        for ctx in range(context_sum, last + 1, rows):
+            attn = max(attn_c * float(ctx) / peak, (float(ctx * per_token) + tail) / bw)
+            out.append(linear + head + attn + overhead)
+        return out
 
     def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
         """Tokens of KV that fit next to the weights in ``memory_fraction`` of the device memory (x TP)."""

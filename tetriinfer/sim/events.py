@@ -2,7 +2,7 @@
 
 Invariants: ``now`` never decreases; events due at the same time run in the order they were scheduled
 (a sequence number breaks ties), so a run is deterministic given its inputs; an event scheduled in the past
-is refused (it would move time backwards).
+is refused (it would move time backwards); a cancelled ``Timer`` is dropped as if never scheduled.
 """
 
 from __future__ import annotations
@@ -10,6 +10,24 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
+
+
+class Timer:
+    """A cancellable event (``EventLoop.timer``): once cancelled it never runs, does not move ``now`` and is not
+    counted."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn = self.fn
+        if fn is not None:
+            fn()
+
+    def cancel(self) -> None:
+        self.fn = None
 
 
 class EventLoop:
@@ -30,6 +48,12 @@ class EventLoop:
             raise ValueError(f"delay must be >= 0, got {delay}")
         heapq.heappush(self._heap, (self.now + delay, next(self._seq), fn))  # ``at``, inline: never in the past
 
+    def timer(self, when: float, fn: Callable[[], None]) -> Timer:
+        """``at``, cancellable."""
+        t = Timer(fn)
+        self.at(when, t)
+        return t
+
     @property
     def pending(self) -> int:
         return len(self._heap)
@@ -49,6 +73,8 @@ class EventLoop:
             if ran >= cap:
                 break
             _, _, fn = pop(heap)
+            if fn.__class__ is Timer and fn.fn is None:  # type: ignore[attr-defined]
+                continue  # cancelled: no time passes for it
             self.now = when
             fn()
             ran += 1

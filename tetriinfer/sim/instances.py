@@ -14,6 +14,7 @@ crosses the link -> decoding -> finished. Every KV block a request held is freed
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,9 +48,10 @@ from tetriinfer.core.step import (
 )
 from tetriinfer.core.step_inflation import StepInflation, decode_segments
 from tetriinfer.sim.cost_model import CostModel
-from tetriinfer.sim.events import EventLoop
+from tetriinfer.sim.events import EventLoop, Timer
 
 SAMPLED_TOKEN = 1
+MAX_STEADY_STEPS = 256  # longest steady decode run priced at once (a run cut short wastes the rest)
 
 
 class Host(Protocol):
@@ -58,6 +60,9 @@ class Host(Protocol):
     loop: EventLoop
 
     def on_tokens(self, new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None: ...
+
+    # optional: ``on_token_run(request_ids, times)``: each request streamed one token at each of ``times`` (a
+    # steady decode run's steps, in order); a host without it gets no steady runs
 
     def on_failed(self, request_id: str, reason: str) -> None: ...
 
@@ -120,8 +125,50 @@ def synthetic_result(out: SchedulerOutput) -> StepResult:
     return StepResult(out.step_id, {s.request_id: SAMPLED_TOKEN for s in out.segments if s.sample})
 
 
+class SteadyRun:
+    """A steady decode run in flight (``core.steady_decode``): steps 1..k of the same rows, priced at once, the
+    scheduler and the bookkeeping brought forward lazily (``SimInstance.sync``) to whatever step the clock is in.
+
+    ``ends[s - 1]`` is the end of step ``s``: ``ends[s - 1] = ends[s - 2] + costs[s - 1]`` (``t0`` before step 1),
+    the float additions a step-by-step run makes. ``started`` / ``ended`` count steps whose start / end bookkeeping
+    is done, ``done`` the scheduler's half steps."""
+
+    __slots__ = ("scheduler", "request_ids", "t0", "costs", "ones", "ends", "started", "ended", "done", "timer")
+
+    def __init__(self, scheduler: DecodeScheduler | SteadyScheduler, request_ids: list[str], t0: float,
+                 costs: list[float], ones: list[float]) -> None:
+        self.scheduler, self.request_ids, self.t0, self.costs, self.ones = scheduler, request_ids, t0, costs, ones
+        ends, t = [], t0
+        for c in costs:
+            t = t + c
+            ends.append(t)
+        self.ends: list[float] = ends
+        self.started = self.ended = self.done = 0
+        self.timer: Timer | None = None
+
+
+class SteadyScheduler(Protocol):
+    """What a steady run needs of a scheduler (``DecodeScheduler`` and the colocated ones have it)."""
+
+    running: list[Request]
+
+    def steady_steps(self, token: int, limit: int) -> int: ...
+
+    def advance_steady(self, token: int, done: int, to: int) -> None: ...
+
+    def steady_output(self) -> SchedulerOutput: ...
+
+
 class SimInstance:
-    """Stepping, busy-time accounting and state shared by every role."""
+    """Stepping, busy-time accounting and state shared by every role.
+
+    Steady decode runs: when an instance's next steps cannot change its batch (``steady_scheduler`` and the
+    scheduler's ``steady_steps``), it prices them at once and schedules one event for the run's end instead of one
+    per step. Everything that reads or changes the instance meanwhile first brings it to the present: reads
+    (``report``, ``take_utilization``) with ``sync``; changes (a request or KV arriving, a migration) with
+    ``interrupt``, which ends the run after the step in flight, as a step-by-step run would take the change at
+    that step's end. Invariant: a run changes no simulated number (the same steps, prices, token times and
+    state at every event that can observe them; ``tests/test_sim_steady_runs.py``)."""
 
     role: str = ""
 
@@ -137,6 +184,10 @@ class SimInstance:
         self.between_steps: list[Callable[[], None]] = []  # run once the running step ends (live migration)
         shared = getattr(host, "one_row_costs", None)  # the cluster's, when it prices with the same model
         self.one_row: OneRowCosts = shared if isinstance(shared, OneRowCosts) and shared.cost is cost else OneRowCosts(cost)
+        self._run: SteadyRun | None = None
+        self.steady_runs = (getattr(host, "steady_runs", True) and hasattr(host, "on_token_run")
+                            and hasattr(cost, "decode_run_seconds"))
+        self.num_steady_runs = 0
 
     # subclass hooks
     def next_step(self) -> SchedulerOutput | None:
@@ -156,6 +207,94 @@ class SimInstance:
         requests all hold KV here (decode) give none."""
         return []
 
+    def steady_scheduler(self) -> SteadyScheduler | None:
+        """The scheduler whose next steps may form a steady run now (its own ``steady_steps`` decides), or None
+        when something besides it could change the next step (requests waiting at the instance)."""
+        return None
+
+    # ---- steady decode runs
+    def _begin_run(self, sched: SteadyScheduler) -> bool:
+        k = sched.steady_steps(SAMPLED_TOKEN, MAX_STEADY_STEPS)
+        if k < 2:
+            return False
+        rows = sched.running
+        price = self.cost.decode_run_seconds  # type: ignore[attr-defined]
+        costs = price(sum(r.num_computed_tokens for r in rows) + len(rows), len(rows), k)
+        ones = costs if len(rows) == 1 else price(rows[0].num_computed_tokens + 1, 1, k)
+        if costs is None or ones is None:
+            return False
+        loop = self.host.loop
+        run = self._run = SteadyRun(sched, [r.request_id for r in rows], loop.now, costs, ones)
+        self.stepping = True
+        self.num_steady_runs += 1
+        run.timer = loop.timer(run.ends[-1], self._end_run)
+        self.sync()
+        return True
+
+    def sync(self) -> None:
+        """Bring a steady run in flight forward to now: the steps ended by now are done (scheduler updated,
+        tokens streamed at their times, inflation observed); the step in flight is started and scheduled."""
+        run = self._run
+        if run is None:
+            return
+        ends, costs, k = run.ends, run.costs, len(run.costs)
+        e = bisect_right(ends, self.host.loop.now)  # steps ended by now
+        if e > k:
+            e = k
+        b = e + 1 if e < k else k
+        if b > run.started:  # step starts: as ``_start`` accounts each step
+            spans = self._spans
+            busy = self.busy_s
+            for s in range(run.started, b):
+                c = costs[s]
+                busy += c
+                spans.append((run.t0 if s == 0 else ends[s - 1], ends[s]))
+            self.busy_s = busy
+            self.steps += b - run.started
+            self.step_seconds = costs[b - 1]
+            run.started = b
+        h = 2 * e + 1 if e < k else 2 * k
+        if h > run.done:
+            run.scheduler.advance_steady(SAMPLED_TOKEN, run.done, h)
+            run.done = h
+        if e > run.ended:  # step ends: as ``end_step`` observes and streams each step
+            observe, ones, n = self.inflation.observe, run.ones, len(run.request_ids)  # type: ignore[attr-defined]
+            for s in range(run.ended, e):
+                observe(n, costs[s], ones[s])
+            self.host.on_token_run(run.request_ids, ends[run.ended:e])  # type: ignore[attr-defined]
+            run.ended = e
+
+    def _end_run(self) -> None:
+        """The run's last step ended: as ``_finish`` after a step."""
+        self.sync()
+        self._run = None
+        self.stepping = False
+        pending, self.between_steps = self.between_steps, []
+        for fn in pending:
+            fn()
+        self._start()
+
+    def interrupt(self) -> None:
+        """Something is about to change this instance: end a steady run in flight after its current step, which
+        becomes an ordinary step (its ``SchedulerOutput``, its end event), as if it had been stepped all along."""
+        run = self._run
+        if run is None:
+            return
+        self.sync()
+        self._run = None
+        assert run.timer is not None
+        run.timer.cancel()
+        if run.ended == len(run.costs):  # its last step ended at this very instant: the next one starts first
+            self.stepping = False
+            pending, self.between_steps = self.between_steps, []
+            for fn in pending:
+                fn()
+            self._start()
+            self.interrupt()  # the step just started may itself be a run
+            return
+        out = run.scheduler.steady_output()
+        self.host.loop.at(run.ends[run.ended], lambda: self._finish(out))
+
     def kick(self) -> None:
         """Start the next step once the events of this instant are handled (as the runtime's instance loop
         drains its socket before it steps), unless a step is running."""
@@ -165,15 +304,22 @@ class SimInstance:
 
     def _start(self) -> None:
         """An empty step (nothing runnable) is settled at once (it may report requests its ``schedule`` ended);
-        nothing more starts until an event kicks again."""
+        nothing more starts until an event kicks again, or at once when it ended requests (their blocks are free:
+        a request preempted for want of them resumes)."""
         self._start_pending = False
         if self.stepping:
             return
+        if self.steady_runs:
+            sched = self.steady_scheduler()
+            if sched is not None and self._begin_run(sched):
+                return
         out = self.next_step()
         if out is None:
             return
         if out.is_empty:
             self.end_step(out, synthetic_result(out))
+            if out.finished_request_ids:  # it ended requests and freed their blocks: what waited for them may run
+                self.kick()
             return
         segs = out.segments
         if len(segs) == 1:  # a one-row decode step costs what its cached one-row price says (the same float)
@@ -194,6 +340,7 @@ class SimInstance:
     def at_step_boundary(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` now if no step is running, else as soon as the running step ends (the runtime's instance
         handles control messages between steps: a request is never taken out of a step in flight)."""
+        self.interrupt()
         if self.stepping:
             self.between_steps.append(fn)
         else:
@@ -213,6 +360,8 @@ class SimInstance:
         report it spans, as the real instance, which cannot report mid-step, shows)."""
         if interval_s <= 0:
             return 0.0
+        if self._run is not None:
+            self.sync()
         spans = self._spans
         if not spans:  # no step since the last report: idle (what the sum below gives: 0.0 / interval_s)
             return min(1.0, 0.0 / interval_s)
@@ -391,12 +540,17 @@ class SimDecode(SimInstance):
         self.receiving: set[str] = set()
         self.inflation = StepInflation()
 
+    def steady_scheduler(self) -> DecodeScheduler | None:
+        return None if self.pending or self.local_pending else self.scheduler
+
     def receive(self, h: Handoff) -> None:
+        self.interrupt()
         self.pending.append(h)
         self.admit()
         self.kick()
 
     def add_local(self, req: Request) -> None:
+        self.interrupt()
         self.local_pending.append(req)
         self.admit_local()
         self.kick()
@@ -418,6 +572,7 @@ class SimDecode(SimInstance):
             self.host.transfer(h.prefill_id, self.iid, rid, h.num_blocks, lambda rid=rid: self._kv_arrived(rid))
 
     def _kv_arrived(self, rid: str) -> None:
+        self.interrupt()
         self.receiving.discard(rid)
         if rid in self.scheduler.reserved:
             self.scheduler.on_kv_received(rid)
@@ -460,6 +615,7 @@ class SimDecode(SimInstance):
             self.admit_local()
 
     def report(self, now: float, utilization: float) -> LoadReport:
+        self.sync()
         rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
         blocks = self.kv.pool.blocks_for_tokens
         waiting_blocks = (sum(blocks(h.request.num_tokens) for h in self.pending)
@@ -483,14 +639,19 @@ class SimColocated(SimInstance):
         self.inflation = StepInflation()
 
     def add(self, req: Request) -> None:
+        self.interrupt()
         self.scheduler.add_request(req)
         self.kick()
 
     def take_unstarted(self, limit: int) -> list[Request]:
+        self.sync()
         return self.scheduler.take_unstarted(limit)
 
     def is_empty(self) -> bool:
         return not self.scheduler.has_unfinished()
+
+    def steady_scheduler(self) -> SteadyScheduler | None:
+        return self.scheduler
 
     def next_step(self) -> SchedulerOutput | None:
         return self.scheduler.schedule() if self.scheduler.waiting or self.scheduler.running else None
@@ -504,6 +665,7 @@ class SimColocated(SimInstance):
         self.host.on_tokens(upd.new_tokens, upd.finished)
 
     def report(self, now: float, utilization: float) -> LoadReport:
+        self.sync()
         rep = colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
         return replace_fields(rep, step_inflation=self.inflation.take())
 
