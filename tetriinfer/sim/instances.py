@@ -258,9 +258,11 @@ class SimInstance:
             run.scheduler.advance_steady(SAMPLED_TOKEN, run.done, h)
             run.done = h
         if e > run.ended:  # step ends: as ``end_step`` observes and streams each step
-            observe, ones, n = self.inflation.observe, run.ones, len(run.request_ids)  # type: ignore[attr-defined]
-            for s in range(run.ended, e):
-                observe(n, costs[s], ones[s])
+            inflation = getattr(self, "inflation", None)  # roles that measure step inflation (not a prefill's keeps)
+            if inflation is not None:
+                observe, ones, n = inflation.observe, run.ones, len(run.request_ids)
+                for s in range(run.ended, e):
+                    observe(n, costs[s], ones[s])
             self.host.on_token_run(run.request_ids, ends[run.ended:e])  # type: ignore[attr-defined]
             run.ended = e
 
@@ -293,7 +295,11 @@ class SimInstance:
             self.interrupt()  # the step just started may itself be a run
             return
         out = run.scheduler.steady_output()
+        self._adopt_step(out)
         self.host.loop.at(run.ends[run.ended], lambda: self._finish(out))
+
+    def _adopt_step(self, out: SchedulerOutput) -> None:
+        """A steady run's step in flight becomes ``out``, an ordinary step: what ``next_step`` would have noted."""
 
     def kick(self) -> None:
         """Start the next step once the events of this instant are handled (as the runtime's instance loop
@@ -407,6 +413,7 @@ class SimPrefill(SimInstance):
         self._parts: tuple[SchedulerOutput | None, SchedulerOutput | None] = (None, None)
 
     def add(self, req: Request) -> None:
+        self.interrupt()
         self.scheduler.add_request(req)
         self.kick()
 
@@ -415,6 +422,14 @@ class SimPrefill(SimInstance):
 
     def is_empty(self) -> bool:
         return not (self.scheduler.has_unfinished() or self.kept.has_unfinished() or self.staged)
+
+    def _adopt_step(self, out: SchedulerOutput) -> None:
+        self._parts = (None, out)
+
+    def steady_scheduler(self) -> DecodeScheduler | None:
+        """Only kept decodes to run (no prompt queued, nothing waiting for a decode instance): their steps are the
+        kept scheduler's alone."""
+        return None if self.scheduler.num_queued or self.awaiting else self.kept
 
     def _kept_step(self) -> SchedulerOutput | None:
         if not (self.kept.running or self.kept.suspended):
@@ -513,6 +528,7 @@ class SimPrefill(SimInstance):
         self.staged.discard(request_id)
 
     def report(self, now: float, utilization: float) -> LoadReport:
+        self.sync()
         rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
         return prefill_instance_report(rep, len(self.staged) + len(self.kept.running) + len(self.kept.suspended))
 
