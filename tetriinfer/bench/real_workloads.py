@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tetriinfer.bench.arrivals import make_arrivals
-from tetriinfer.bench.workloads import (
+from tetriinfer.bench.workload_types import (
     ALPACA_DEFAULT_FILE,
     CLASS_NAMES,
     HEAVY_DECODE_TOKENS,

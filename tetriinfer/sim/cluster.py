@@ -397,19 +397,16 @@ class SimCluster:
         ones = array("b", bytes([1])) * n
         for rid in request_ids:
             rec = records[rid]
-            if rec.first_token_s is None:  # not so in a run; ``on_tokens``' bookkeeping all the same
-                for t in times:
-                    if rec.first_token_s is None:
-                        rec.first_token_s = t
-                    rec.chunk_times_s.append(t)
-                    rec.chunk_tokens.append(1)
-                    rec.output_tokens += 1
-                    streamed(rid, 1, t)
-                continue
+            if rec.first_token_s is None:  # not so in a run; what ``on_tokens`` token by token would leave
+                rec.first_token_s = times[0]
+                streamed(rid, 1, times[0])
+                if n > 1:
+                    streamed(rid, n - 1, last)
+            else:
+                streamed(rid, n, last)
             rec.chunk_times_s.extend(times)
             rec.chunk_tokens.extend(ones)
             rec.output_tokens += n
-            streamed(rid, n, last)
 
     def on_failed(self, request_id: str, reason: str) -> None:
         self._end(request_id, success=False, reason=reason)
