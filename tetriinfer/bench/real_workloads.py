@@ -75,7 +75,18 @@ def _known_lengths() -> dict[str, int]:
     return out
 
 
-def _render(tok: Any, content: str) -> tuple[str, int]:
+def chat_tokenizer(tokenizer_dir: str, who: str) -> Any:
+    """The served model's tokenizer (local folder); ValueError naming ``who`` when it has no chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{who} the served model's tokenizer with a chat template: {tokenizer_dir}")
+    return tok
+
+
+def render_user_turn(tok: Any, content: str) -> tuple[str, int]:
+    """``content`` as one user turn through the chat template (generation prompt added): the text and its tokens."""
     text = str(tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                        add_generation_prompt=True))
     return text, len(tok.encode(text, add_special_tokens=False))
@@ -93,7 +104,7 @@ def light_prompts(tok: Any, source: Path) -> dict[str, list[RealPrompt]]:
         length = known.get(instruction)
         if length is None or split_of(served_prompt_text(tok, instruction), HELD_OUT_SEED, HELD_OUT_FRACTION) != "val":
             continue
-        text, n = _render(tok, instruction)
+        text, n = render_user_turn(tok, instruction)
         if n <= HEAVY_PREFILL_TOKENS:
             pools["hd" if length > HEAVY_DECODE_TOKENS else "ld"].append(RealPrompt(text, n, ""))
     return pools
@@ -112,7 +123,7 @@ def heavy_texts(tok: Any, data_dir: Path, max_prompt_tokens: int) -> list[str]:
         for row in json.loads(path.read_text(encoding="utf-8")):
             parts.append(str(row["output"]).strip())
             joined = "\n\n".join(parts)
-            _, n = _render(tok, longest_task + joined)
+            _, n = render_user_turn(tok, longest_task + joined)
             if n > max_prompt_tokens:
                 parts = []
             elif n > HEAVY_PREFILL_TOKENS + 16:  # margin: the shorter task must still be heavy
@@ -136,8 +147,6 @@ def real_class_workload(
     alpaca_file: str | os.PathLike[str] | None = None,
 ) -> Workload:
     """``real:CLASS``: see the module docstring. ``heavy_cap`` is the heavy-decode classes' ``max_tokens``."""
-    from transformers import AutoTokenizer
-
     cls = name.strip().lower()[len(REAL_PREFIX):]
     if cls not in CLASS_NAMES:
         raise ValueError(f"unknown real workload {name!r}; expected real:CLASS with CLASS one of {', '.join(CLASS_NAMES)}")
@@ -151,9 +160,7 @@ def real_class_workload(
     if process == "trace":
         raise ValueError("real workloads have no timestamps; use arrival 'poisson' or 'gamma'")
     source = Path(alpaca_file) if alpaca_file else ALPACA_DEFAULT_FILE
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    if not getattr(tok, "chat_template", None):
-        raise ValueError(f"real workloads need the served model's tokenizer with a chat template: {tokenizer_dir}")
+    tok = chat_tokenizer(tokenizer_dir, "real workloads need")
     rng = np.random.default_rng([seed, 13])
     four = ["lpld", "lphd", "hpld", "hphd"]
     classes = ([four[i] for i in rng.permutation(np.arange(num_requests) % 4).tolist()] if cls == "mixed"
@@ -184,7 +191,7 @@ def real_class_workload(
             p = pool[draw(c, len(pool))]
             text, n = p.text, p.tokens
         else:
-            text, n = _render(tok, TASKS[decode] + heavy[draw("hp", len(heavy))])
+            text, n = render_user_turn(tok, TASKS[decode] + heavy[draw("hp", len(heavy))])
         requests.append(WorkloadRequest(f"real-{c}-{i}", arrivals[i], n, cap, prompt_text=text))
     counts = {c: classes.count(c) for c in sorted(set(classes))}
     notes = (
@@ -196,12 +203,3 @@ def real_class_workload(
     return Workload(f"real:{cls}", tuple(_mark_rejections(requests, max_context)), str(source),
                     process if rate is not None else "burst", rate, seed, notes)
 
-
-def real_pool_sizes(tokenizer_dir: str, max_prompt_tokens: int = 1536) -> dict[str, int]:
-    """How many distinct prompts each real class draws from (for reports and tests)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    light = light_prompts(tok, ALPACA_DEFAULT_FILE)
-    n_heavy = len(heavy_texts(tok, ALPACA_DEFAULT_FILE.parent, max_prompt_tokens))
-    return {"lpld": len(light["ld"]), "lphd": len(light["hd"]), "hpld": n_heavy, "hphd": n_heavy}

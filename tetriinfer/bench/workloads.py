@@ -41,7 +41,7 @@ from tetriinfer.bench.arrivals import (
     rescale_to_rate,
     trace_arrivals,
 )
-from tetriinfer.bench.real_workloads import real_class_workload
+from tetriinfer.bench.real_workloads import chat_tokenizer, real_class_workload, render_user_turn
 from tetriinfer.bench.workload_types import (  # noqa: F401 - re-exported: callers import them from here
     ALPACA_DEFAULT_FILE,
     AZURE_CONV_FILENAME,
@@ -554,7 +554,6 @@ def alpaca_workload(
     template (``tokenizer_dir``), sent as completion text; ``output_tokens`` is ``output_cap`` (meant for
     natural output lengths, where it is only the ``max_tokens`` cap). Instructions are drawn without
     replacement in a seeded order (with replacement only past the file's size)."""
-    from transformers import AutoTokenizer
 
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
@@ -566,9 +565,7 @@ def alpaca_workload(
         raise ValueError(f"{source}: expected an AlpacaEval JSON list of objects with 'instruction': {exc}") from exc
     if not prompts:
         raise ValueError(f"no prompts in {source}")
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    if not getattr(tok, "chat_template", None):
-        raise ValueError(f"the alpaca workload needs the served model's tokenizer with a chat template: {tokenizer_dir}")
+    tok = chat_tokenizer(tokenizer_dir, "the alpaca workload needs")
     rng = np.random.default_rng([seed, 7])
     order = np.concatenate([rng.permutation(len(prompts)) for _ in range(math.ceil(num_requests / len(prompts)))])
     process = arrival or "poisson"
@@ -577,9 +574,7 @@ def alpaca_workload(
     arrivals = make_arrivals(num_requests, process, rate, seed, burstiness_cv)
     requests = []
     for i in range(num_requests):
-        text = tok.apply_chat_template([{"role": "user", "content": prompts[int(order[i])]}], tokenize=False,
-                                       add_generation_prompt=True)
-        n = len(tok.encode(text, add_special_tokens=False))
+        text, n = render_user_turn(tok, prompts[int(order[i])])
         requests.append(WorkloadRequest(f"alpaca-{i}", arrivals[i], n, output_cap, prompt_text=text))
     notes = (f"{num_requests} AlpacaEval instructions of {len(prompts)} in {source.name}, chat-rendered; "
              f"output lengths natural, capped at {output_cap}",)

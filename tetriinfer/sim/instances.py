@@ -135,7 +135,7 @@ class SteadyRun:
 
     __slots__ = ("scheduler", "request_ids", "t0", "costs", "ones", "ends", "started", "ended", "done", "timer")
 
-    def __init__(self, scheduler: DecodeScheduler | SteadyScheduler, request_ids: list[str], t0: float,
+    def __init__(self, scheduler: SteadyScheduler, request_ids: list[str], t0: float,
                  costs: list[float], ones: list[float]) -> None:
         self.scheduler, self.request_ids, self.t0, self.costs, self.ones = scheduler, request_ids, t0, costs, ones
         ends, t = [], t0
@@ -271,10 +271,7 @@ class SimInstance:
         self.sync()
         self._run = None
         self.stepping = False
-        pending, self.between_steps = self.between_steps, []
-        for fn in pending:
-            fn()
-        self._start()
+        self._between_steps_then_start()
 
     def interrupt(self) -> None:
         """Something is about to change this instance: end a steady run in flight after its current step, which
@@ -288,10 +285,7 @@ class SimInstance:
         run.timer.cancel()
         if run.ended == len(run.costs):  # its last step ended at this very instant: the next one starts first
             self.stepping = False
-            pending, self.between_steps = self.between_steps, []
-            for fn in pending:
-                fn()
-            self._start()
+            self._between_steps_then_start()
             self.interrupt()  # the step just started may itself be a run
             return
         out = run.scheduler.steady_output()
@@ -355,6 +349,10 @@ class SimInstance:
     def _finish(self, out: SchedulerOutput) -> None:
         self.stepping = False
         self.end_step(out, synthetic_result(out))
+        self._between_steps_then_start()
+
+    def _between_steps_then_start(self) -> None:
+        """After a step: what waited for its end runs (live migration), then the next step starts."""
         pending, self.between_steps = self.between_steps, []
         for fn in pending:
             fn()
