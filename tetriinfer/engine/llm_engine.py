@@ -21,6 +21,7 @@ from tetriinfer.engine.kv_cache import KVCacheTensors, bytes_per_block
 from tetriinfer.engine.loader import load_model, parse_dtype
 from tetriinfer.engine.model_config import ModelConfig
 from tetriinfer.engine.model_runner import ModelRunner
+from tetriinfer.engine.onednn_packing import pack_linear_weights
 from tetriinfer.engine.outputs import CompletionOutput, RequestOutput
 from tetriinfer.engine.tokenizer_loader import load_tokenizer  # noqa: F401 - re-exported (engine API)
 
@@ -52,6 +53,7 @@ class EngineParts:
 def build_runner(config: EngineConfig) -> EngineParts:
     configure_device(config.device, config.num_threads, config.cpu_cores)
     model, cfg = load_model(config.model, config.dtype, config.device, config.load_format, config.seed)
+    pack_linear_weights(model, parse_dtype(config.dtype), config.device)
     max_len = config.max_model_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings:
         raise ValueError(

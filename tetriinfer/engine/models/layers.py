@@ -19,6 +19,7 @@ from tetriinfer.engine.cpu_kernels import (
     kernels_available,
     kernels_threaded,
 )
+from tetriinfer.engine.onednn_packing import packed_linear
 
 # Below this many rows a reduced-precision matmul stays native: it is memory-bound (decode), and reading
 # the weights once in bf16 beats converting them to fp32 first.
@@ -80,9 +81,15 @@ class Linear(nn.Linear):
     instructions, bf16 matmuls of at most `bf16_native_matmul_max_rows()` rows take the AVX-512 BF16 kernel (where
     it is built; fewer rows on AMX CPUs), else the AVX2 one (not on AMX CPUs). Same arithmetic as
     torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
-    CUDA is untouched."""
+    CUDA is untouched. A layer whose weight `tetriinfer.engine.onednn_packing` packed (bf16 on AMX CPUs) runs every
+    matmul on the packed weight (its ``weight`` parameter may then be empty)."""
+
+    packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout of ``weight`` [out, in], set once at load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.packed_weight is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            return packed_linear(flat, self.packed_weight, self.bias).reshape(*x.shape[:-1], -1)
         if x.device.type == "cpu" and x.dim() == 2:
             if x.dtype == torch.float32:
                 rows = x.shape[0]
