@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tetriinfer.core.kv_cache_manager import KVCacheManager
-from tetriinfer.core.load import DEFAULT_HEAVY_DECODE_TOKENS, InstanceState, LoadReport, Role, is_heavy_decode
+from tetriinfer.core.load import DEFAULT_HEAVY_DECODE_TOKENS, InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import _segment
 from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
@@ -500,9 +500,12 @@ class DecodeScheduler(Detachable):
         self, instance_id: str, now: float, utilization: float = 0.0,
         state: InstanceState = InstanceState.ACTIVE,
     ) -> LoadReport:
-        heavy = sum(
-            1 for r in self._table.values() if is_heavy_decode(r.predicted_lower, self.config.heavy_decode_tokens)
-        )
+        threshold = self.config.heavy_decode_tokens
+        heavy = 0
+        for r in self._table.values():  # ``is_heavy_decode(r.predicted_lower, threshold)``, inline
+            lower = r.predicted_lower
+            if lower is not None and lower > threshold:
+                heavy += 1
         return LoadReport(
             instance_id=instance_id,
             role=Role.DECODE,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tetriinfer.core.load import InstanceState, LoadReport, Role
@@ -126,6 +126,16 @@ class FlipPolicy:
     def role(self, instance_id: str) -> Role:
         return self._role[instance_id]
 
+    @property
+    def roles(self) -> Mapping[str, Role]:
+        """Every known instance's role (read-only view; ``role(iid)`` for one)."""
+        return self._role
+
+    @property
+    def states(self) -> Mapping[str, InstanceState]:
+        """Every known instance's flip state (read-only view; ``state(iid)`` defaults an unknown one to ACTIVE)."""
+        return self._state
+
     def state(self, instance_id: str) -> InstanceState:
         return self._state.get(instance_id, InstanceState.ACTIVE)
 
@@ -156,17 +166,21 @@ class FlipPolicy:
         cfg = self.config
         commands: list[FlipCommand] = []
         by_id = {r.instance_id: r for r in reports}
+        role_of, state_of = self._role, self._state
         for r in reports:
-            if r.instance_id not in self._role:
-                self._role[r.instance_id] = r.role
-                self._state[r.instance_id] = InstanceState.ACTIVE
+            if r.instance_id not in role_of:
+                role_of[r.instance_id] = r.role
+                state_of[r.instance_id] = InstanceState.ACTIVE
         # DRAINING -> FLIPPING once the instance reports empty.
+        draining = InstanceState.DRAINING
         for iid, rep in by_id.items():
-            if self._state[iid] is InstanceState.DRAINING and rep.is_empty:
+            if state_of[iid] is draining and rep.is_empty:
                 self._state[iid] = InstanceState.FLIPPING
                 self._drained_at[iid] = now
                 role = self._role[iid]
                 commands.append(FlipCommand(FlipAction.SWITCH, iid, role, role.other, now))
+        if not cfg.enabled:  # the low-load timers below feed only this policy's own picks (``_candidate``)
+            return commands
         # Low-load timers of ACTIVE instances.
         for iid, rep in by_id.items():
             if self._state[iid] is not InstanceState.ACTIVE:
@@ -188,8 +202,6 @@ class FlipPolicy:
                 self._low_since.setdefault(iid, now)
             else:
                 self._low_since.pop(iid, None)
-        if not cfg.enabled:
-            return commands
         in_progress = sum(1 for s in self._state.values() if s is not InstanceState.ACTIVE)
         while in_progress < cfg.max_concurrent:
             pick = self._candidate(by_id, now)

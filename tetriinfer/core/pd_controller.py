@@ -196,9 +196,10 @@ class PDController:
         if cfg.policy != "adaptive":
             return commands
         self._update_smoothing(reports, now)
-        if any(self.flips.state(i) is not InstanceState.ACTIVE for i in self._smooth):
-            return commands
         if now - self._last_decision < cfg.dwell_s:
+            return commands
+        states, active = self.flips.states, InstanceState.ACTIVE
+        if any(states.get(i, active) is not active for i in self._smooth):  # a flip in progress
             return commands
         pick = self._choose(reports)
         if pick is not None:
@@ -229,31 +230,38 @@ class PDController:
 
     def _update_smoothing(self, reports: Sequence[LoadReport], now: float) -> None:
         tau = self.config.smoothing_s
+        roles, features = self.flips.roles, self._features
+        vecs, smooth, smooth_at = self._vec, self._smooth, self._smooth_at
         for r in reports:
             iid = r.instance_id
-            try:
-                role = self.flips.role(iid)
-            except KeyError:
+            role = roles.get(iid)
+            if role is None:  # not known to the flip state machine: not smoothed
                 continue
-            x = self._features(r, role)
-            old = self._vec.get(iid)
+            x = features(r, role)
+            old = vecs.get(iid)
             if old is None or tau == 0:
                 vec = x
             elif old == x:  # at its input already: o + a * (x - o) is o exactly (no feature is ever -0.0 or NaN)
                 vec = old
             else:
-                a = 1.0 - math.exp(-max(0.0, now - self._smooth_at[iid]) / tau)
-                vec = tuple(o + a * (n - o) for o, n in zip(old, x, strict=True))  # type: ignore[assignment]
-            self._vec[iid] = vec
-            self._smooth[iid] = vec[0]
-            self._smooth_at[iid] = now
+                a = 1.0 - math.exp(-max(0.0, now - smooth_at[iid]) / tau)
+                o0, o1, o2, o3, o4, o5 = old  # o + a * (n - o) per feature (six, as ``_features`` makes them)
+                x0, x1, x2, x3, x4, x5 = x
+                vec = (o0 + a * (x0 - o0), o1 + a * (x1 - o1), o2 + a * (x2 - o2), o3 + a * (x3 - o3),
+                       o4 + a * (x4 - o4), o5 + a * (x5 - o5))
+            vecs[iid] = vec
+            smooth[iid] = vec[0]
+            smooth_at[iid] = now
 
     def tier_state(self) -> TierState | None:
         """The smoothed inputs of the adaptive model (None before both roles have ACTIVE instances)."""
-        pre = [v for iid, v in self._vec.items()
-               if self.flips.role(iid) is Role.PREFILL and self.flips.state(iid) is InstanceState.ACTIVE]
-        dec = [v for iid, v in self._vec.items()
-               if self.flips.role(iid) is Role.DECODE and self.flips.state(iid) is InstanceState.ACTIVE]
+        roles, states = self.flips.roles, self.flips.states
+        active, prefill = InstanceState.ACTIVE, Role.PREFILL
+        pre: list[tuple[float, ...]] = []
+        dec: list[tuple[float, ...]] = []
+        for iid, v in self._vec.items():  # one pass; each list in the table's order
+            if states.get(iid, active) is active:
+                (pre if roles[iid] is prefill else dec).append(v)
         if not pre or not dec:
             return None
         both = pre + dec

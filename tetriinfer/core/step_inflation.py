@@ -20,7 +20,7 @@ seconds add to the window without a decode step (a window of stalls alone reads 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tetriinfer.core.request import Request
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput
@@ -45,6 +45,24 @@ class StepInflation:
                 self.t1 = t
         self._sum_s += seconds
         self._steps += 1
+
+    def observe_steps(self, batch: int, seconds: Sequence[float], batch1_seconds: Sequence[float]) -> None:
+        """``observe(batch, seconds[i], batch1_seconds[i])`` for each ``i`` in order (decode-only steps of one
+        batch: a steady decode run's), in one call: the same ``t1``, sums and counts, bit for bit."""
+        if batch < 1:
+            return
+        t1, total, steps = self.t1, self._sum_s, self._steps
+        own = batch == 1  # a batch-1 decode-only step teaches ``t1`` its own seconds
+        for sec, one in zip(seconds, batch1_seconds, strict=True):
+            if sec <= 0:
+                continue
+            if own and (t1 is None or sec < t1):
+                t1 = sec
+            if one is not None and one > 0 and (t1 is None or one < t1):
+                t1 = one
+            total += sec
+            steps += 1
+        self.t1, self._sum_s, self._steps = t1, total, steps
 
     def stall(self, seconds: float) -> None:
         """A step of ``seconds`` ran while decodes waited (no decode row in it)."""

@@ -515,13 +515,23 @@ class SimCluster:
             for mig in self.migration.plan(reports, roles, evacuate):
                 self.instances[mig.source].at_step_boundary(lambda mig=mig: self._migrate(mig))
         decode_loads = [r for r in reports if r.role is Role.DECODE]
+        kicked: list[SimInstance] = []
         for inst in self.instances.values():
             if isinstance(inst, SimPrefill):
                 inst.decode_loads = decode_loads  # shared: a dispatcher's charges make it a new list, never mutate
-                inst.kick()  # dispatches waiting for a decode instance retry on fresh loads
+                if inst.claim_start():  # kicked: dispatches waiting for a decode instance retry on fresh loads
+                    kicked.append(inst)
+        if kicked:  # one event for the back-to-back start events the kicks would queue (nothing runs between them)
+            self.loop.after(0.0, lambda: self._start_kicked(kicked))
         self._route_pending()
         if self._open:
             self.loop.after(c.report_interval_s, self._monitor)
+
+    @staticmethod
+    def _start_kicked(kicked: list[SimInstance]) -> None:
+        """The starts of instances the monitor kicked (``SimInstance.claim_start``), in the order kicked."""
+        for inst in kicked:
+            inst._start()
 
     def _move(self, donor: str, count: int, now: float) -> None:
         """Queue rebalancing, as the runtime does it (its Yield / Yielded round trip taken as instant): the donor

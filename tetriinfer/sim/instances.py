@@ -259,10 +259,8 @@ class SimInstance:
             run.done = h
         if e > run.ended:  # step ends: as ``end_step`` observes and streams each step
             inflation = getattr(self, "inflation", None)  # roles that measure step inflation (not a prefill's keeps)
-            if inflation is not None:
-                observe, ones, n = inflation.observe, run.ones, len(run.request_ids)
-                for s in range(run.ended, e):
-                    observe(n, costs[s], ones[s])
+            if inflation is not None:  # ``observe(rows, costs[s], ones[s])`` for each step s that ended
+                inflation.observe_steps(len(run.request_ids), costs[run.ended:e], run.ones[run.ended:e])
             self.host.on_token_run(run.request_ids, ends[run.ended:e])  # type: ignore[attr-defined]
             run.ended = e
 
@@ -301,6 +299,15 @@ class SimInstance:
         if not self.stepping and not self._start_pending:
             self._start_pending = True
             self.host.loop.after(0.0, self._start)
+
+    def claim_start(self) -> bool:
+        """``kick`` without its event: True when this instance needs a start (the caller must then call
+        ``_start`` in an event it schedules now, in the order claimed: back-to-back kicks of several instances
+        queue consecutive events of one instant, which one event running their starts in turn replaces)."""
+        if self.stepping or self._start_pending:
+            return False
+        self._start_pending = True
+        return True
 
     def _start(self) -> None:
         """An empty step (nothing runnable) is settled at once (it may report requests its ``schedule`` ended);
@@ -374,7 +381,9 @@ class SimInstance:
         busy = 0
         kept = []
         for start, end in spans:  # the same terms, added in the same order as ``sum`` over them
-            busy += max(0.0, min(end, now) - max(start, lo))
+            part = (end if end < now else now) - (start if start > lo else lo)  # min(end, now) - max(start, lo)
+            if part > 0:  # max(0.0, part): a term of 0.0 leaves the (nonnegative) sum as it is
+                busy += part
             if end > now:
                 kept.append((start, end))
         self._spans = kept
@@ -420,6 +429,16 @@ class SimPrefill(SimInstance):
 
     def is_empty(self) -> bool:
         return not (self.scheduler.has_unfinished() or self.kept.has_unfinished() or self.staged)
+
+    def _start(self) -> None:
+        """As ``SimInstance._start``, settled at once when there is nothing to step (no prompt queued, nothing
+        waiting for a decode instance, no kept decode running or suspended): then ``next_step`` finds no step
+        and no steady run can begin, so the base would change nothing either (the monitor kicks every prefill
+        instance at every report)."""
+        if not (self.scheduler.num_queued or self.awaiting or self.kept.running or self.kept.suspended):
+            self._start_pending = False
+            return
+        super()._start()
 
     def _adopt_step(self, out: SchedulerOutput) -> None:
         self._parts = (None, out)
