@@ -409,6 +409,42 @@ def test_decode_attention_matches_fp32_reference(heads: int, kv_heads: int, head
         assert bool(((got.float() - want).abs() <= tol).all())
 
 
+@needs_avx512
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (10, 2, 256),
+                                                             (14, 2, 64), (24, 3, 96)])
+def test_grouped_bf16_decode_attention_matches_the_reference_and_itself_on_threads(heads: int, kv_heads: int,
+                                                                                   head_dim: int) -> None:
+    """The grouped AVX-512 BF16 kernel (one work item per sequence and kv head): every 16-key tile tail, an empty
+    context, 1 to 8 query heads per kv head; the same bits on 1, 2 and 3 threads."""
+    assert cpu_kernels.grouped_decode_attn_ok(heads, kv_heads, head_dim)
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    slots_total = 400
+    kc = (2 * torch.randn(slots_total, kv_heads, head_dim, generator=g)).bfloat16()
+    vc = torch.randn(slots_total, kv_heads, head_dim, generator=g).bfloat16()
+    lengths = torch.tensor([1, 15, 16, 17, 33, 0, 150, 47])
+    slots = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        slots[i, :n] = torch.randperm(slots_total, generator=g)[:n]
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).bfloat16()
+    one = cpu_kernels.decode_attn(q, kc, vc, slots, lengths, num_threads=1)
+    want = attention_reference(q, kc, vc, slots, lengths.clamp_min(1))
+    want[lengths == 0] = 0.0  # no keys: zeros, as the AVX2 kernel writes
+    tol = want.abs().clamp_min(1e-2) * 2.0**-7 + 1e-4
+    assert bool(((one.float() - want).abs() <= tol).all())
+    for t in (2, 3):
+        assert torch.equal(cpu_kernels.decode_attn(q, kc, vc, slots, lengths, num_threads=t), one), t
+
+
+def test_grouped_decode_attention_takes_only_the_shapes_it_was_written_for() -> None:
+    if not cpu_kernels.avx512_bf16_available():
+        assert not cpu_kernels.grouped_decode_attn_ok(9, 3, 64)
+        return
+    assert cpu_kernels.grouped_decode_attn_ok(9, 3, 64) and cpu_kernels.grouped_decode_attn_ok(32, 4, 128)
+    assert not cpu_kernels.grouped_decode_attn_ok(9, 3, 48)  # head_dim not a multiple of 32
+    assert not cpu_kernels.grouped_decode_attn_ok(8, 2, 512)  # head_dim past 256
+    assert not cpu_kernels.grouped_decode_attn_ok(18, 2, 64)  # 9 query heads per kv head
+
+
 @needs_kernel
 def test_decode_attention_rejects_bad_shapes() -> None:
     q = torch.zeros(2, 6, 8).bfloat16()

@@ -8,6 +8,8 @@ to the memory bandwidth and applies them to every row while they are in cache.
 K/V in place (torch needs a gather, two fp32 copies and small batched matmuls: ~250 us per layer at batch 1).
 `rmsnorm(x, w, eps)` and `rope(x, cos, sin)`: a decode step's per-token RMSNorm and rotary embedding as one call each
 (torch spends 4 and 6 small ops on them, a few microseconds each, per layer), with torch's per-op rounding.
+On AVX-512 BF16 CPUs a bf16 `decode_attn` takes a grouped kernel instead: one (sequence, kv head) pair per work item,
+its query heads sharing every K and V row read (vdpbf16ps scores, fp32 softmax and weighted sum).
 `prefill_attn_bf16(q, k, v, rows, ctx_start)`: causal prefill attention in bf16 on vdpbf16ps (torch's CPU flash
 attention runs bf16 at ~18 GFLOP/s without AMX), for the same CPUs.
 `gemm_bf16_avx512(x, weight, bias)`: the same few-row bf16 matmul with AVX-512 BF16's vdpbf16ps (32 bf16 pairs per
@@ -22,7 +24,7 @@ The C source is compiled at first use with the system C compiler (`$CC`, else `c
 into `<cache>/kernels/` (once per source version and flags) and loaded with ctypes -- no torch headers, no build
 step at install. Every failure (no compiler, no AVX2/FMA, a compile error) leaves `kernels_available()` False and
 callers keep torch's path. `TETRIINFER_CPU_KERNELS=0` turns the kernels off; `TETRIINFER_AVX512_BF16=0` only the
-AVX-512 BF16 ones (matmul and prefill attention).
+AVX-512 BF16 ones (matmuls, prefill and grouped decode attention).
 
 Threads: the sources are built with ``-fopenmp`` where the compiler supports it and link ``libgomp.so.1`` by soname,
 so in this process they share the OpenMP runtime torch already loaded: one pool of threads for torch's ops and the
@@ -212,6 +214,7 @@ def _load_avx512() -> ctypes.CDLL | None:
         fn = dll.tetri_gemm_bf16_avx512
         fn32 = dll.tetri_gemm_f32_avx512
         attn = dll.tetri_prefill_attn_bf16
+        gqa = dll.tetri_decode_attn_gqa_bf16
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("AVX-512 BF16 matmul unavailable (%s %s): the other kernels are used", e,
@@ -223,6 +226,8 @@ def _load_avx512() -> ctypes.CDLL | None:
     attn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
                      + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64])
     attn.restype = ctypes.c_int
+    gqa.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
+    gqa.restype = ctypes.c_int
     dll.threaded = _threaded(dll, "tetri_avx512_openmp")
     return dll
 
@@ -330,12 +335,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads: int
     return out
 
 
+GQA_DECODE_MAX_GROUP = 8  # query heads per kv head the grouped bf16 decode kernel takes (its accumulators)
+
+
+def grouped_decode_attn_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether a bf16 `decode_attn` of this shape takes the grouped AVX-512 BF16 kernel (else the AVX2 one)."""
+    return (head_dim % 32 == 0 and head_dim <= 256 and heads // kv_heads <= GQA_DECODE_MAX_GROUP
+            and _load_avx512() is not None)
+
+
 def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 lengths: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """q [B, H, D]; k_cache, v_cache [S, Hkv, D] (bf16 or fp32, as q); slots [B, L] int64 (row b: its first
     lengths[b] entries are its context's slots); lengths [B] int64 -> [B, H, D] in q's dtype (softmax(q k^T /
     sqrt(D)) v per head, grouped-query, fp32 math); (sequence, head) pairs split over up to ``num_threads`` threads
-    (default torch's count; bit-identical for any count). Call only when `kernels_available()`; contiguous CPU
+    (default torch's count; bit-identical for any count). bf16 shapes that `grouped_decode_attn_ok` accepts take the
+    AVX-512 BF16 kernel: (sequence, kv head) pairs, scores from vdpbf16ps (exact products, fp32 sums). Call only when `kernels_available()`; contiguous CPU
     tensors. Slots must lie in [0, S) (the engine's own block tables; not checked per call)."""
     dll = _load()
     assert dll is not None
@@ -349,6 +364,9 @@ def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                          f"{k_cache.dtype}, slots {tuple(slots.shape)} {slots.dtype}, lengths {tuple(lengths.shape)}")
     out = torch.empty_like(q)
     fn = dll.tetri_decode_attn_f32 if q.dtype == torch.float32 else dll.tetri_decode_attn_bf16
+    if q.dtype == torch.bfloat16 and grouped_decode_attn_ok(h, hkv, d):
+        dll = _load_avx512()
+        fn = dll.tetri_decode_attn_gqa_bf16
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
             out.data_ptr(), b, h, hkv, d, length, d ** -0.5, _threads(dll, num_threads))
     if rc != 0:

@@ -343,6 +343,10 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
+/* Keys ahead of the ones being scored whose K and V rows (of this kv head) are prefetched into L2: a context's
+ * slots are blocks scattered over the pool, too short for the hardware prefetchers to follow. */
+#define ATTN_PREFETCH_KEYS 32
+
 /* One (sequence b, query head h) pair: scores over its n keys (8 per pass, a tail of < 8 keys or D not a multiple
  * of 8 one key at a time), softmax (8 scores at a time), then the weighted sum of V with the accumulators in
  * registers per 64-lane chunk of D. Scratch: qf [D], acc [D], sh [n + 8] fp32. */
@@ -355,6 +359,11 @@ static inline __attribute__((always_inline)) void attn_head(const void *q, const
     int64_t l = 0;
     if (D % 8 == 0)
         for (; l + 8 <= n; l += 8) {
+            for (int64_t p = l + ATTN_PREFETCH_KEYS; p < n && p < l + ATTN_PREFETCH_KEYS + 8; p++)
+                for (int64_t off = 0; off < D * esz; off += 64) {
+                    _mm_prefetch(kc + (sl[p] * row + hk * D) * esz + off, _MM_HINT_T1);
+                    _mm_prefetch(vc + (sl[p] * row + hk * D) * esz + off, _MM_HINT_T1);
+                }
             const char *rows[8];
             for (int i = 0; i < 8; i++) rows[i] = kc + (sl[l + i] * row + hk * D) * esz;
             _mm256_storeu_ps(sh + l, dots8(qf, D, rows, F32));
