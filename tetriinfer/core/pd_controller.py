@@ -38,7 +38,7 @@ progress; flips are recorded (``records``) and the split after every change is k
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tetriinfer.core.flip_policy import FlipCommand, FlipConfig, FlipPolicy, FlipRecord
@@ -156,6 +156,11 @@ class PDController:
 
     def state(self, instance_id: str) -> InstanceState:
         return self.flips.state(instance_id)
+
+    @property
+    def states(self) -> Mapping[str, InstanceState]:
+        """Every known instance's flip state (read-only; ``state(iid)`` defaults an unknown one to ACTIVE)."""
+        return self.flips.states
 
     def annotate(self, reports: Sequence[LoadReport]) -> list[LoadReport]:
         return self.flips.annotate(reports)

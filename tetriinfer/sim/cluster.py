@@ -486,8 +486,9 @@ class SimCluster:
         now = self.loop.now
         self._retire_drained(now)
         reports = [inst.report(now, inst.take_utilization(c.report_interval_s)) for inst in self.instances.values()]
+        retiring = self._retiring
         if c.disaggregated:
-            observed = [r for r in reports if r.instance_id not in self._retiring]
+            observed = [r for r in reports if r.instance_id not in retiring] if retiring else reports
             for cmd in self.flips.observe(observed, now):
                 inst = self.instances[cmd.instance_id]
                 if cmd.action is FlipAction.DRAIN:
@@ -495,12 +496,14 @@ class SimCluster:
                 else:
                     self._switch(inst, cmd.to_role)
             reports = self.flips.annotate(reports)
-            for inst in self.instances.values():
-                inst.state = self.flips.state(inst.iid)
-        for iid in self._retiring:  # scale-in: not routed or dispatched to, whatever the flip policy thinks
-            self.instances[iid].state = InstanceState.DRAINING
-        reports = [r if r.instance_id not in self._retiring else
-                   dataclasses.replace(r, state=InstanceState.DRAINING) for r in reports]
+            states, active = self.flips.states, InstanceState.ACTIVE  # ``flips.state(iid)``, looked up
+            for iid, inst in self.instances.items():
+                inst.state = states.get(iid, active)
+        if retiring:
+            for iid in retiring:  # scale-in: not routed or dispatched to, whatever the flip policy thinks
+                self.instances[iid].state = InstanceState.DRAINING
+            reports = [r if r.instance_id not in retiring else
+                       dataclasses.replace(r, state=InstanceState.DRAINING) for r in reports]
         if c.autoscale:
             for scale_cmd in self.scale.observe(reports, self._active_roles(), now):
                 self._scale(scale_cmd, now)

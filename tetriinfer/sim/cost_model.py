@@ -257,10 +257,14 @@ class RooflineCostModel:
         linear = max(self._linear_flops * rows / peak, self._linear_read_s)  # type: ignore[attr-defined]
         head = max(self._head_flops * rows / peak, self._head_read_s)  # type: ignore[attr-defined]
         overhead, tail = self.step_overhead_s, rows * per_token
-        out = []
+        base = linear + head  # ``linear + head + attn + overhead`` adds left to right: this sum comes first
+        # attn = max(attn_c * ctx / peak, (ctx * KV bytes + tail) / bw) per step; the integer sums are below 2**53,
+        # so they convert to float exactly, as the per-row float sums of ``step_seconds`` are exact
+        out: list[float] = []
+        append = out.append
         for ctx in range(context_sum, last + 1, rows):
-            attn = max(attn_c * float(ctx) / peak, (float(ctx * per_token) + tail) / bw)
-            out.append(linear + head + attn + overhead)
+            flops_s, read_s = attn_c * ctx / peak, (ctx * per_token + tail) / bw
+            append(base + (flops_s if flops_s >= read_s else read_s) + overhead)  # max(flops_s, read_s)
         return out
 
     def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:

@@ -18,6 +18,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 from tetriinfer.core.colocated_scheduler import (
@@ -133,18 +134,16 @@ class SteadyRun:
     the float additions a step-by-step run makes. ``started`` / ``ended`` count steps whose start / end bookkeeping
     is done, ``done`` the scheduler's half steps."""
 
-    __slots__ = ("scheduler", "request_ids", "t0", "costs", "ones", "ends", "started", "ended", "done", "timer")
+    __slots__ = ("scheduler", "request_ids", "t0", "costs", "ones", "ends", "started", "ended", "done", "timer",
+                 "synced_at")
 
     def __init__(self, scheduler: SteadyScheduler, request_ids: list[str], t0: float,
                  costs: list[float], ones: list[float]) -> None:
         self.scheduler, self.request_ids, self.t0, self.costs, self.ones = scheduler, request_ids, t0, costs, ones
-        ends, t = [], t0
-        for c in costs:
-            t = t + c
-            ends.append(t)
-        self.ends: list[float] = ends
+        self.ends: list[float] = list(accumulate(costs, initial=t0))[1:]  # t0 + c1, then + c2, ...: the same additions
         self.started = self.ended = self.done = 0
         self.timer: Timer | None = None
+        self.synced_at = -1.0  # the clock at the last ``SimInstance.sync`` (a sync at the same instant changes nothing)
 
 
 class SteadyScheduler(Protocol):
@@ -237,8 +236,12 @@ class SimInstance:
         run = self._run
         if run is None:
             return
+        now = self.host.loop.now
+        if now == run.synced_at:  # brought to this instant already (a report right after its utilization)
+            return
+        run.synced_at = now
         ends, costs, k = run.ends, run.costs, len(run.costs)
-        e = bisect_right(ends, self.host.loop.now)  # steps ended by now
+        e = bisect_right(ends, now)  # steps ended by now
         if e > k:
             e = k
         b = e + 1 if e < k else k
@@ -650,11 +653,14 @@ class SimDecode(SimInstance):
     def report(self, now: float, utilization: float) -> LoadReport:
         self.sync()
         rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
+        pending, local = self.pending, self.local_pending
+        if not (pending or local):  # nothing waits for admission (the usual case): the sums below are all 0
+            return decode_instance_report(rep, 0, 0, self.inflation.take(), 0)
         blocks = self.kv.pool.blocks_for_tokens
-        waiting_blocks = (sum(blocks(h.request.num_tokens) for h in self.pending)
-                          + sum(blocks(r.num_prompt_tokens + 1) for r in self.local_pending))
-        return decode_instance_report(rep, len(self.pending) + len(self.local_pending),
-                                      sum(r.num_prompt_tokens for r in self.local_pending), self.inflation.take(),
+        waiting_blocks = (sum(blocks(h.request.num_tokens) for h in pending)
+                          + sum(blocks(r.num_prompt_tokens + 1) for r in local))
+        return decode_instance_report(rep, len(pending) + len(local),
+                                      sum(r.num_prompt_tokens for r in local), self.inflation.take(),
                                       waiting_blocks)
 
 
