@@ -65,7 +65,9 @@ static inline void split_range(int64_t n, int64_t align, int nt, int t, int64_t 
 }
 
 #define TR 6 /* rows of x per pass */
-#define PF_GROUPS 4 /* prefetch the weight group this many groups ahead */
+#define PF_GROUPS 4 /* prefetch the weight group this many groups ahead, into L2: prefetched into L1 (T0), the 4
+                      * interleaved row streams evicted each other and a weight read from DRAM ran at ~11 GB/s on one
+                      * Zen 4 core (the 49152 x 576 LM head at 1 row: 4.75 ms with T0, 1.84 ms with T1) */
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -109,7 +111,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
         __m512bh wv[4];
         for (int j = 0; j < NB; j++) wv[j] = ld(w + j * K + k);
         if (pf)
-            for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * 2, _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * 2, _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             __m512bh xv = ld(x + r * K + k);
             for (int j = 0; j < NB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
@@ -220,7 +222,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, const
         __m512 wv[4];
         for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
         if (pf)
-            for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * 4, _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) _mm_prefetch(pf + (j * K + k) * 4, _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_loadu_ps(x + r * K + k);
             for (int j = 0; j < NB; j++) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
