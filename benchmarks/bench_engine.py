@@ -202,18 +202,24 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
 
 
 def _matmul_params(llm: LLM) -> tuple[int, int, int]:
-    """-> (params of the decoder matmuls, lm_head params, bytes of every weight read by a decode step)."""
+    """-> (params of the decoder matmuls, lm_head params, bytes of every weight read by a decode step). Counted from
+    the layers' shapes, so a tied LM head (which reads the whole embedding) and weights pre-packed for oneDNN (whose
+    plain parameter is empty) count in full; the embedding itself reads one row per token."""
     model = llm.engine.runner.model
     cfg = llm.engine.model_config
+    elem = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     decoder = 0
     read_bytes = 0
-    for name, p in model.named_parameters():
-        if name.startswith("embed_tokens"):
-            read_bytes += cfg.hidden_size * p.element_size()  # one row per token
-            continue
-        read_bytes += p.numel() * p.element_size()
-        if p.dim() == 2 and not name.startswith("lm_head"):
-            decoder += p.numel()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding):
+            read_bytes += cfg.hidden_size * elem
+        elif isinstance(module, torch.nn.Linear):
+            read_bytes += (module.in_features * module.out_features + module.out_features * (module.bias is not None)
+                           ) * elem
+            if not name.startswith("lm_head"):
+                decoder += module.in_features * module.out_features
+        else:
+            read_bytes += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     return decoder, cfg.vocab_size * cfg.hidden_size, read_bytes
 
 
