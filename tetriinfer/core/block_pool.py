@@ -74,11 +74,22 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free:
             return None
-        blocks = [self._take() for _ in range(n)]
-        for b in blocks:
-            self._ref_counts[b] = 1
-            if self.on_reuse is not None:
-                self.on_reuse(b)
+        hot, frontier = self._hot, self._frontier
+        if len(hot) >= n:  # ``_take`` n times: all from the hot tier's tail
+            blocks = [hot.popitem()[0] for _ in range(n)]
+        elif not hot and self.num_blocks - frontier >= n:  # ... all fresh, lowest index first
+            blocks = list(range(frontier, frontier + n))
+            self._frontier = frontier + n
+        else:
+            blocks = [self._take() for _ in range(n)]
+        refs, on_reuse = self._ref_counts, self.on_reuse
+        if on_reuse is None:
+            for b in blocks:
+                refs[b] = 1
+        else:
+            for b in blocks:
+                refs[b] = 1
+                on_reuse(b)
         return blocks
 
     def acquire(self, block: int) -> None:
@@ -103,17 +114,17 @@ class BlockPool:
         """Drop one reference from each block. Blocks reaching 0 join the cached tier's tail in the order given (so
         a caller frees the blocks it would rather keep cached last) or, holding nothing cached, the hot tier, where
         the *last* given is reused first (a caller that frees a table tail first gets it back head first)."""
-        cached = self.is_cached
+        cached, refs, hot = self.is_cached, self._ref_counts, self._hot
         for b in blocks:
-            rc = self._ref_counts[b]
+            rc = refs[b]
             if rc <= 0:
                 raise RuntimeError(f"double free of block {b}")
-            self._ref_counts[b] = rc - 1
+            refs[b] = rc - 1
             if rc == 1:
                 if cached is not None and cached(b):
                     self._cached[b] = None
                 else:
-                    self._hot[b] = None
+                    hot[b] = None
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]

@@ -54,6 +54,20 @@ class EventLoop:
         self.at(when, t)
         return t
 
+    def reserve(self) -> int:
+        """A place in the order of events: ``timer_reserved(when, place, fn)`` later runs ``fn`` where an event
+        scheduled at ``when`` by ``at`` now (instead of later) would run among the events of that instant. The
+        caller must schedule it before the clock passes ``when``."""
+        return next(self._seq)
+
+    def timer_reserved(self, when: float, place: int, fn: Callable[[], None]) -> Timer:
+        """``timer`` in the order ``place`` (from ``reserve``) holds."""
+        if when < self.now:
+            raise ValueError(f"cannot schedule at {when} before now={self.now}")
+        t = Timer(fn)
+        heapq.heappush(self._heap, (when, place, t))
+        return t
+
     @property
     def pending(self) -> int:
         return len(self._heap)

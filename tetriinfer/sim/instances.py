@@ -52,7 +52,8 @@ from tetriinfer.sim.cost_model import CostModel
 from tetriinfer.sim.events import EventLoop, Timer
 
 SAMPLED_TOKEN = 1
-MAX_STEADY_STEPS = 256  # longest steady decode run priced at once (a run cut short wastes the rest)
+MAX_STEADY_STEPS = 256  # longest steady decode run
+FIRST_PRICED_STEPS = 32  # a steady run's first chunk of priced steps (``SteadyRun.price_more``)
 
 
 class Host(Protocol):
@@ -127,23 +128,59 @@ def synthetic_result(out: SchedulerOutput) -> StepResult:
 
 
 class SteadyRun:
-    """A steady decode run in flight (``core.steady_decode``): steps 1..k of the same rows, priced at once, the
-    scheduler and the bookkeeping brought forward lazily (``SimInstance.sync``) to whatever step the clock is in.
+    """A steady decode run in flight (``core.steady_decode``): steps 1..``length`` of the same rows, the scheduler
+    and the bookkeeping brought forward lazily (``SimInstance.sync``) to whatever step the clock is in.
 
-    ``ends[s - 1]`` is the end of step ``s``: ``ends[s - 1] = ends[s - 2] + costs[s - 1]`` (``t0`` before step 1),
-    the float additions a step-by-step run makes. ``started`` / ``ended`` count steps whose start / end bookkeeping
-    is done, ``done`` the scheduler's half steps."""
+    Steps are priced in chunks as the clock reaches them (``price_more``: ``FIRST_PRICED_STEPS`` first, then as many
+    as are priced already), not all at once: a run is often cut short by an arrival, and what it would have cost
+    past that is never needed. ``costs`` / ``ones`` / ``ends`` hold the steps priced so far: ``ends[s - 1]`` is the
+    end of step ``s``, ``ends[s - 1] = ends[s - 2] + costs[s - 1]`` (``t0`` before step 1), the float additions a
+    step-by-step run makes; ``ones[s - 1]`` the price of that step with only the first row (what step inflation
+    compares with; ``costs`` itself when there is one row or nobody reads it). ``started`` / ``ended`` count steps
+    whose start / end bookkeeping is done, ``done`` the scheduler's half steps.
 
-    __slots__ = ("scheduler", "request_ids", "t0", "costs", "ones", "ends", "started", "ended", "done", "timer",
-                 "synced_at")
+    Invariant: every sync leaves ``ends[-1] > now`` unless all ``length`` steps are priced, so whatever it reads of
+    the steps up to the one in flight is what pricing the whole run at once would give."""
 
-    def __init__(self, scheduler: SteadyScheduler, request_ids: list[str], t0: float,
-                 costs: list[float], ones: list[float]) -> None:
-        self.scheduler, self.request_ids, self.t0, self.costs, self.ones = scheduler, request_ids, t0, costs, ones
-        self.ends: list[float] = list(accumulate(costs, initial=t0))[1:]  # t0 + c1, then + c2, ...: the same additions
+    __slots__ = ("scheduler", "request_ids", "t0", "length", "costs", "ones", "ends", "started", "ended", "done",
+                 "timer", "end_seq", "synced_at", "_price", "_context_sum", "_one_context")
+
+    def __init__(self, scheduler: SteadyScheduler, request_ids: list[str], t0: float, length: int,
+                 price: Callable[[int, int, int], list[float] | None], context_sum: int,
+                 one_context: int | None) -> None:
+        """``price``: the cost model's ``decode_run_seconds``, exact for all ``length`` steps (checked by the
+        caller); ``context_sum``: the rows' ``start + 1`` summed at step 1; ``one_context``: the first row's
+        ``start + 1`` at step 1, or None when ``ones`` is ``costs``."""
+        self.scheduler, self.request_ids, self.t0, self.length = scheduler, request_ids, t0, length
+        self._price, self._context_sum, self._one_context = price, context_sum, one_context
+        self.costs: list[float] = []
+        self.ones: list[float] = self.costs if one_context is None else []
+        self.ends: list[float] = []
         self.started = self.ended = self.done = 0
         self.timer: Timer | None = None
+        self.end_seq = -1  # the event order reserved for the run's end when it began (``EventLoop.reserve``)
         self.synced_at = -1.0  # the clock at the last ``SimInstance.sync`` (a sync at the same instant changes nothing)
+        self.price_more()
+
+    @property
+    def fully_priced(self) -> bool:
+        return len(self.costs) == self.length
+
+    def price_more(self) -> None:
+        """Price the next chunk of steps (as many as are priced already, ``FIRST_PRICED_STEPS`` at first)."""
+        done, rows = len(self.costs), len(self.request_ids)
+        n = min(self.length - done, max(FIRST_PRICED_STEPS, done))
+        costs = self._price(self._context_sum + rows * done, rows, n)
+        if costs is None:
+            raise AssertionError("a steady run's pricing stopped being exact within its length")
+        self.costs.extend(costs)
+        if self._one_context is not None:
+            ones = self._price(self._one_context + done, 1, n)
+            if ones is None:
+                raise AssertionError("a steady run's pricing stopped being exact within its length")
+            self.ones.extend(ones)
+        self.ends.extend(accumulate(costs, initial=self.ends[-1] if self.ends else self.t0))
+        del self.ends[done]  # the initial value accumulate starts from: ends[s - 1] = ends[s - 2] + costs[s - 1]
 
 
 class SteadyScheduler(Protocol):
@@ -217,18 +254,39 @@ class SimInstance:
         if k < 2:
             return False
         rows = sched.running
+        n = len(rows)
         price = self.cost.decode_run_seconds  # type: ignore[attr-defined]
-        costs = price(sum(r.num_computed_tokens for r in rows) + len(rows), len(rows), k)
-        ones = costs if len(rows) == 1 else price(rows[0].num_computed_tokens + 1, 1, k)
-        if costs is None or ones is None:
+        context_sum = sum(r.num_computed_tokens for r in rows) + n
+        # ones: the batch-1 prices step inflation reads (not a prefill's keeps); ``costs`` itself for one row
+        one_context = rows[0].num_computed_tokens + 1 if n > 1 and getattr(self, "inflation", None) is not None else None
+        # exact for the whole run iff exact at its last step (the bound grows with the context)
+        if price(context_sum + n * (k - 1), n, 1) is None or (
+                one_context is not None and price(one_context + k - 1, 1, 1) is None):
             return False
         loop = self.host.loop
-        run = self._run = SteadyRun(sched, [r.request_id for r in rows], loop.now, costs, ones)
+        run = self._run = SteadyRun(sched, [r.request_id for r in rows], loop.now, k, price, context_sum, one_context)
         self.stepping = True
         self.num_steady_runs += 1
-        run.timer = loop.timer(run.ends[-1], self._end_run)
+        run.end_seq = loop.reserve()  # the run's end runs where an end event scheduled now would
+        self._arm(run)
         self.sync()
         return True
+
+    def _arm(self, run: SteadyRun) -> None:
+        """The run's next event: its end (in the order reserved when it began) once every step is priced, else
+        the end of its last priced step, where it prices more (``_run_chunk_end``)."""
+        loop = self.host.loop
+        if run.fully_priced:
+            run.timer = loop.timer_reserved(run.ends[-1], run.end_seq, self._end_run)
+        else:
+            run.timer = loop.timer(run.ends[-1], self._run_chunk_end)
+
+    def _run_chunk_end(self) -> None:
+        """The clock reached the run's last priced step end: price on (``sync``) and arm the next event."""
+        run = self._run
+        assert run is not None
+        self.sync()
+        self._arm(run)
 
     def sync(self) -> None:
         """Bring a steady run in flight forward to now: the steps ended by now are done (scheduler updated,
@@ -240,6 +298,8 @@ class SimInstance:
         if now == run.synced_at:  # brought to this instant already (a report right after its utilization)
             return
         run.synced_at = now
+        while run.ends[-1] <= now and not run.fully_priced:  # the clock passed the priced steps: price on
+            run.price_more()
         ends, costs, k = run.ends, run.costs, len(run.costs)
         e = bisect_right(ends, now)  # steps ended by now
         if e > k:
