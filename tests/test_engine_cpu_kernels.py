@@ -554,3 +554,33 @@ def test_norm_and_rope_use_the_fused_kernels_for_decode_rows_only(monkeypatch: p
         assert calls == (["norm"] if cpu_kernels.kernels_threaded() else [])  # several threads: OpenMP builds
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_decode_rows_of_very_different_lengths_are_attended_in_one_native_call(tiny_llama: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native decode kernel, every decode row of a step goes to one call in batch order (the kernel reads
+    each row's own length; no padded length buckets, no gather of q), and the tokens equal the bucketed path's."""
+    from tetriinfer import LLM, SamplingParams
+    from tetriinfer.engine import attention, model_runner
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (2, 300, 9, 120, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama), chunk_size=512, dtype="bfloat16", num_threads=1)
+    batches: list[int] = []
+    real = attention.decode_attn
+
+    def recording(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        batches.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "decode_attn", recording)
+    one_group = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    layers = llm.engine.model_config.num_layers
+    assert batches and len(batches) % layers == 0
+    assert max(batches) == len(prompts)  # the whole batch at once, 2 and 300 tokens of context side by side
+    batches.clear()
+    monkeypatch.setattr(model_runner, "native_decode_attention", lambda *_: False)  # the bucketed grouping
+    bucketed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert max(batches) < len(prompts)
+    assert bucketed == one_group

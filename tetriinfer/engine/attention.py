@@ -77,6 +77,14 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
+def native_decode_attention(kv_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode rows over a contiguous KV cache of ``kv_dtype`` on ``device`` take the native kernel
+    (`_use_decode_kernel` for the queries of that cache): the runner then forms one decode group of every row, since
+    the kernel reads each row's own length and needs no padding buckets."""
+    return (device.type == "cpu" and kv_dtype in (torch.bfloat16, torch.float32) and kernels_available()
+            and _threads_ok())
+
+
 def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The native paged decode attention (`cpu_kernels.decode_attn`) replaces gather + SDPA for CPU decode groups
     in fp32 and bf16 at any thread count (`_threads_ok`). It reads K/V in place; torch's path gathers them first.

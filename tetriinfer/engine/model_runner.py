@@ -11,7 +11,12 @@ import time
 import torch
 
 from tetriinfer.core.step import SchedulerOutput, StepResult
-from tetriinfer.engine.attention import AttentionMetadata, DecodeGroupMeta, PrefillSegmentMeta
+from tetriinfer.engine.attention import (
+    AttentionMetadata,
+    DecodeGroupMeta,
+    PrefillSegmentMeta,
+    native_decode_attention,
+)
 from tetriinfer.engine.kv_cache import KVCacheTensors
 from tetriinfer.engine.model_config import ModelConfig
 from tetriinfer.engine.sampler import Sampler
@@ -44,9 +49,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """-> input_ids [T], positions [T], metadata, rows to sample (indices into the flat batch).
 
-        Segments of one token with a cached prefix (decodes, in DECODE or MIXED steps) are attended in
-        padded batches of similar context lengths; every other segment is a prefill segment attended on
-        its own.
+        Segments of one token with a cached prefix (decodes, in DECODE or MIXED steps) are attended together:
+        in one group when the native decode kernel reads the KV cache, else in padded batches of similar context
+        lengths; every other segment is a prefill segment attended on its own.
         """
         ids: list[int] = []
         pos: list[torch.Tensor] = []
@@ -89,7 +94,11 @@ class ModelRunner:
         positions = torch.cat(pos).to(self.device)
         slot_mapping = torch.cat(slots).to(self.device)
         meta = AttentionMetadata(num_real, slot_mapping, segs_meta)
-        if dec_rows:
+        if dec_rows and native_decode_attention(self._kv_layers[0][0].dtype, self.device):
+            # one group in batch order: the kernel reads each row's own length (no padded buckets), and rows that
+            # are contiguous in the batch (every decode step) need no gather of q or scatter of the output
+            meta.decode_groups.append(self._decode_group(dec_rows, dec_tables, dec_lens))
+        elif dec_rows:
             order = sorted(range(len(dec_rows)), key=lambda i: -dec_lens[i])
             for group in _length_groups([dec_lens[i] for i in order]):
                 idx = [order[j] for j in group]

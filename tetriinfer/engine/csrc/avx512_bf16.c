@@ -64,6 +64,29 @@ static inline void split_range(int64_t n, int64_t align, int nt, int t, int64_t 
     *hi = b * align < n ? b * align : n;
 }
 
+/* [*lo, *hi): part t of nt of the items [0, B * per_seq), item i belonging to sequence i / per_seq, split so that
+ * each part holds about the same number of keys (min(lengths[b], L), plus 16 for an item's fixed cost): contexts
+ * of very different lengths leave no thread idle. Depends only on the inputs, so every item is computed by the
+ * same code whatever the split. */
+static inline void split_by_keys(const int64_t *lengths, int64_t L, int64_t B, int64_t per_seq, int nt, int t,
+                                 int64_t *lo, int64_t *hi) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++) total += ((lengths[b] < L ? lengths[b] : L) + 16) * per_seq;
+    const int64_t start = total * t / nt, stop = total * (t + 1) / nt;
+    int64_t cum = 0, first = -1, end = B * per_seq;
+    for (int64_t i = 0; i < B * per_seq; i++) {
+        if (first < 0 && cum >= start) first = i;
+        if (cum >= stop) {
+            end = i;
+            break;
+        }
+        const int64_t b = i / per_seq;
+        cum += (lengths[b] < L ? lengths[b] : L) + 16;
+    }
+    *lo = first < 0 ? end : first;
+    *hi = t == nt - 1 ? B * per_seq : end;
+}
+
 #define TR 6 /* rows of x per pass */
 #define PF_GROUPS 4 /* prefetch the weight group this many groups ahead, into L2: prefetched into L1 (T0), the 4
                       * interleaved row streams evicted each other and a weight read from DRAM ran at ~11 GB/s on one
@@ -648,7 +671,7 @@ int tetri_decode_attn_gqa_bf16(const uint16_t *q, const uint16_t *k_cache, const
         unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040); /* flush denormals (FTZ | DAZ) while we run, as the AVX2 kernel does */
         int64_t lo, hi;
-        split_range(items, 1, team_size(), team_id(), &lo, &hi);
+        split_by_keys(lengths, L, B, Hkv, team_size(), team_id(), &lo, &hi);
         float *sc = scratch + (size_t)team_id() * (size_t)(G * npad);
         for (int64_t it = lo; it < hi; it++) {
             const int64_t b = it / Hkv, hk = it % Hkv, n = lengths[b] < L ? lengths[b] : L;

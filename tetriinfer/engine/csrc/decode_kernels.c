@@ -56,6 +56,29 @@ static inline void split_range(int64_t n, int64_t align, int nt, int t, int64_t 
     *hi = b * align < n ? b * align : n;
 }
 
+/* [*lo, *hi): part t of nt of the items [0, B * per_seq), item i belonging to sequence i / per_seq, split so that
+ * each part holds about the same number of keys (min(lengths[b], L), plus 16 for an item's fixed cost): contexts
+ * of very different lengths leave no thread idle. Depends only on the inputs, so every item is computed by the
+ * same code whatever the split. */
+static inline void split_by_keys(const int64_t *lengths, int64_t L, int64_t B, int64_t per_seq, int nt, int t,
+                                 int64_t *lo, int64_t *hi) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++) total += ((lengths[b] < L ? lengths[b] : L) + 16) * per_seq;
+    const int64_t start = total * t / nt, stop = total * (t + 1) / nt;
+    int64_t cum = 0, first = -1, end = B * per_seq;
+    for (int64_t i = 0; i < B * per_seq; i++) {
+        if (first < 0 && cum >= start) first = i;
+        if (cum >= stop) {
+            end = i;
+            break;
+        }
+        const int64_t b = i / per_seq;
+        cum += (lengths[b] < L ? lengths[b] : L) + 16;
+    }
+    *lo = first < 0 ? end : first;
+    *hi = t == nt - 1 ? B * per_seq : end;
+}
+
 /* The threads a call of `work` units uses: at most nthreads, at least `per_thread` units each, at least 1. */
 static inline int team_for(int64_t nthreads, int64_t work, int64_t per_thread) {
     int64_t most = work / per_thread;
@@ -429,7 +452,7 @@ static inline __attribute__((always_inline)) int decode_attn(const void *q, cons
         unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040); /* flush denormals (FTZ | DAZ) while we run: negligible weights, no slow path */
         int64_t lo, hi;
-        split_range(B * H, 1, team_size(), team_id(), &lo, &hi);
+        split_by_keys(lengths, L, B, H, team_size(), team_id(), &lo, &hi);
         float *qf = scratch + per * team_id(), *acc = qf + D, *sh = acc + D;
         for (int64_t it = lo; it < hi; it++) {
             int64_t b = it / H, h = it % H;
