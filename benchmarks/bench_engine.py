@@ -21,6 +21,8 @@
     (offline ``LLM``, that many threads) and vLLM's CPU build (its own venv, ``OMP_NUM_THREADS`` the same) back to
     back in the same run. Prints each time, engine vs vLLM, and the N-thread over 1-thread speed of each; the
     engine's decode share is its time minus a prefill-only pass (``max_tokens=1``) over the same prompts.
+    ``--engine-baseline-ref REV`` also runs the engine of git revision REV (extracted with ``git archive``, in a
+    subprocess with its own kernels) on the same prompts and threads, for a before/after ratio in the same run.
 
 Ratios are measured within one run: the machine is shared and noisy (DESIGN.md section 6). Part (a) runs
 the issue's setting unless its estimate exceeds ``--budget-minutes``; then it runs the largest prefix of
@@ -29,6 +31,7 @@ requests (a multiple of 16) and length scale that fits, and the table says which
     python benchmarks/bench_engine.py                       # issue's setting, fp32 + bf16
     python benchmarks/bench_engine.py --dtypes float32 --num-requests 16 --scale 0.25 --vllm
     python benchmarks/bench_engine.py --vs-vllm --model PATH --threads 1,2 --vllm-venv /work/venvs/vllm
+    python benchmarks/bench_engine.py --vs-vllm --model PATH --threads 1 --no-vllm --engine-baseline-ref HEAD~4
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass, field
@@ -442,6 +446,7 @@ class VsVllmConfig:
     vllm: bool
     seed: int
     out: Path
+    engine_baseline_ref: str | None = None  # a git ref of this repository whose engine runs the same prompts too
 
     def __post_init__(self) -> None:
         if not self.threads or min(self.threads) < 1:
@@ -463,6 +468,7 @@ class VsRow:
     engine_prefill_s: float = math.nan
     vllm_s: float = math.nan
     vllm_error: str = ""
+    baseline_s: float = math.nan  # the engine at --engine-baseline-ref, same prompts, same threads
 
     @property
     def engine_decode_s(self) -> float:
@@ -506,6 +512,51 @@ def _engine_seconds(model: Path, dtype: str, threads: int, chunk_size: int, wl: 
     return total, prefill
 
 
+BASELINE_ENGINE_SCRIPT = r"""
+import json, sys, time
+spec = json.loads(open(sys.argv[1]).read())
+from tetriinfer import LLM, SamplingParams
+llm = LLM(model=spec["model"], dtype=spec["dtype"], chunk_size=spec["chunk_size"], num_threads=spec["threads"],
+          kv_cache_memory_gb=2.0, max_model_len=2048, seed=spec["seed"])
+prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+params = SamplingParams(max_tokens=spec["output_tokens"], min_tokens=spec["output_tokens"], ignore_eos=True,
+                        temperature=0.0)
+t0 = time.perf_counter()
+llm.generate(prompts, params)
+print("ENGINE_RESULT " + json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+"""
+
+
+def extract_engine(ref: str, into: Path) -> Path:
+    """The ``tetriinfer`` package at git ref ``ref`` of this repository, extracted under ``into`` (for PYTHONPATH)."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "tetriinfer"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def run_baseline_engine(tree: Path, cfg: VsVllmConfig, dtype: str, threads: int, wl: Workload) -> float:
+    """Seconds of the whole workload on the engine extracted at ``tree`` (a subprocess: its own kernels, built from
+    its own sources), after a warm-up; nan (with the error printed) if it failed."""
+    work = ROOT / ".cache" / "engine-baseline"
+    work.mkdir(parents=True, exist_ok=True)
+    spec = work / "spec.json"
+    spec.write_text(json.dumps({"model": str(cfg.model), "dtype": dtype, "threads": threads, "seed": cfg.seed,
+                                "chunk_size": cfg.chunk_size, "output_tokens": cfg.output_tokens,
+                                "prompts": wl.prompts}))
+    script = work / "run_engine.py"
+    script.write_text(BASELINE_ENGINE_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(script), str(spec)], capture_output=True, text=True, env=env,
+                          cwd=str(work))
+    for line in proc.stdout.splitlines():
+        if line.startswith("ENGINE_RESULT "):
+            return float(json.loads(line.removeprefix("ENGINE_RESULT "))["seconds"])
+    print(f"baseline engine failed (exit {proc.returncode}): {proc.stderr[-800:]}", flush=True)
+    return math.nan
+
+
 def run_vs_vllm(cfg: VsVllmConfig) -> list[VsRow]:
     start = time.perf_counter()
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -517,13 +568,19 @@ def run_vs_vllm(cfg: VsVllmConfig) -> list[VsRow]:
     print(f"{len(prompts)} held-out chat prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{cfg.output_tokens} output tokens each", flush=True)
     rows: list[VsRow] = []
+    tree = None
+    if cfg.engine_baseline_ref:
+        tree = extract_engine(cfg.engine_baseline_ref, Path(tempfile.mkdtemp(prefix="engine-baseline-")))
     for dtype in cfg.dtypes:
-        for threads in cfg.threads:  # engine then vLLM on the same thread count, back to back
+        for threads in cfg.threads:  # engine, its baseline, then vLLM on the same thread count, back to back
             row = VsRow(dtype, threads)
             row.engine_s, row.engine_prefill_s = _engine_seconds(cfg.model, dtype, threads, cfg.chunk_size, wl,
                                                                  cfg.seed)
             print(f"[{dtype} x{threads}] engine {row.engine_s:.1f} s (prefill-only pass {row.engine_prefill_s:.1f} s)",
                   flush=True)
+            if tree is not None:
+                row.baseline_s = run_baseline_engine(tree, cfg, dtype, threads, wl)
+                print(f"[{dtype} x{threads}] engine at {cfg.engine_baseline_ref} {row.baseline_s:.1f} s", flush=True)
             if cfg.vllm:
                 row.vllm_s, row.vllm_error = run_vllm(bench, dtype, wl, cfg.vllm_venv, threads)
                 print(f"[{dtype} x{threads}] vLLM {row.vllm_s:.1f} s {row.vllm_error}", flush=True)
@@ -573,6 +630,12 @@ def vs_markdown(cfg: VsVllmConfig, rows: list[VsRow], wl: Workload, load: str, t
             f"| {r.dtype} | {r.threads} | {r.engine_s:.1f} | {r.engine_decode_s:.1f} | {vllm} | "
             f"{_fmt(r.vllm_s / r.engine_s, '.2f', 'x')} | {b.engine_s / r.engine_s:.2f}x | "
             f"{b.engine_decode_s / r.engine_decode_s:.2f}x | {_fmt(b.vllm_s / r.vllm_s, '.2f', 'x')} |")
+    if cfg.engine_baseline_ref:
+        lines += ["", f"The engine at `{cfg.engine_baseline_ref}` on the same prompts, same threads, same run:", "",
+                  f"| dtype | threads | engine s | engine at {cfg.engine_baseline_ref} s | speed-up |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r.dtype} | {r.threads} | {r.engine_s:.1f} | {_fmt(r.baseline_s, '.1f')} | "
+                  f"{_fmt(r.baseline_s / r.engine_s, '.2f', 'x')} |" for r in rows]
     lines += ["", "Speeds are ratios of wall times (higher is faster); engine decode = its run minus a prefill-only "
               "pass over the same prompts."]
     lines += [f"- {r.dtype} x{r.threads}: vLLM failed: `{r.vllm_error}`" for r in rows if r.vllm_error]
@@ -766,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
                     help="(e): the venv holding vLLM's CPU build (installed there on demand)")
     ap.add_argument("--no-vllm", action="store_true", help="(e): the engine only")
+    ap.add_argument("--engine-baseline-ref", default=None,
+                    help="(e): also run the engine of this git ref (e.g. HEAD~3) on the same prompts, same run")
     a = ap.parse_args(argv)
     if a.vs_vllm:
         run_vs_vllm(VsVllmConfig(
@@ -774,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=tuple(int(t) for t in a.threads.split(",") if t.strip()),
             num_prompts=a.num_prompts, output_tokens=a.output_tokens, chunk_size=a.chunk_size,
             vllm_venv=a.vllm_venv.expanduser().absolute(), vllm=not a.no_vllm, seed=a.seed,
-            out=a.out or ROOT / "docs" / "engine_vs_vllm.md"))
+            out=a.out or ROOT / "docs" / "engine_vs_vllm.md", engine_baseline_ref=a.engine_baseline_ref))
         return 0
     cfg = BenchConfig(
         model=ensure_model(a.model.expanduser().absolute()),
