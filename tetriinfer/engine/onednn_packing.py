@@ -52,10 +52,9 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype, device: str | torch.device) -> int:
-    """Pack the weight of every 2-D ``Linear`` of ``model`` (``tetriinfer.engine.models.layers.Linear``) where
+    """Pack the weight of every 2-D ``Linear`` of ``model`` that can run on a packed weight (the engine's
+    ``tetriinfer.engine.models.layers.Linear``, known by its ``packed_weight`` slot) where
     `onednn_packing_available`; returns how many were packed (0: nothing changed)."""
-    from tetriinfer.engine.models.layers import Linear
-
     if not onednn_packing_available(dtype, device):
         return 0
     uses: dict[int, int] = {}
@@ -64,7 +63,8 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, device: str | torc
     count = 0
     with torch.no_grad():
         for module in model.modules():
-            if not isinstance(module, Linear) or module.packed_weight is not None:
+            if (not isinstance(module, nn.Linear) or not hasattr(type(module), "packed_weight")
+                    or module.packed_weight is not None):
                 continue
             w = module.weight
             if w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
