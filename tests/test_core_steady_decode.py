@@ -12,6 +12,7 @@ import pytest
 from tetriinfer.core.colocated_scheduler import ColocatedSchedulerConfig, make_colocated_scheduler
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.kv_cache_manager import KVCacheManager
+from tetriinfer.core.load import InstanceState
 from tetriinfer.core.request import Request
 from tetriinfer.core.sampling_params import SamplingParams
 from tetriinfer.core.step import StepKind, StepResult
@@ -109,6 +110,9 @@ def test_advancing_a_steady_run_equals_stepping_it(build: Callable[[int], Any]) 
                     upd = stepped.update(out, StepResult(out.step_id, dict.fromkeys(rows, TOKEN)))
                     assert not upd.finished and list(upd.new_tokens) == rows
                 h += 1
+            if isinstance(jumped, DecodeScheduler):  # what a report reads at ``cut``, before jumping there
+                ahead = jumped.steady_load_report("d", 1.5, 0.25, InstanceState.ACTIVE, done, cut)
+                assert ahead == stepped.load_report("d", 1.5, 0.25, InstanceState.ACTIVE), f"seed {seed}: {cut}"
             jumped.advance_steady(TOKEN, done, cut)
             done = cut
             assert _state(jumped) == _state(stepped), f"seed {seed}: half step {cut} of {2 * k}"

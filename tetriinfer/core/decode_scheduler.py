@@ -46,13 +46,20 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tetriinfer.core.frozen import replace_fields
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import DEFAULT_HEAVY_DECODE_TOKENS, InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import _segment
 from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
-from tetriinfer.core.steady_decode import advance_steady, is_decode_row, steady_run_length, steady_step_output
+from tetriinfer.core.steady_decode import (
+    advance_steady,
+    is_decode_row,
+    steady_blocks_taken,
+    steady_run_length,
+    steady_step_output,
+)
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
 
@@ -458,6 +465,20 @@ class DecodeScheduler(Detachable):
 
         self._step_id += advance_steady(self.running, self.kv, token, done, to, extended)
 
+    def steady_load_report(self, instance_id: str, now: float, utilization: float, state: InstanceState,
+                           done: int, to: int) -> LoadReport:
+        """``load_report`` as it will read once ``advance_steady(_, done, to)`` has moved this scheduler (now at
+        half step ``done`` of a steady run) to half step ``to``, without moving it: the rows take the blocks
+        ``steady_blocks_taken`` counts and hold one more token per step updated; nothing else a report shows
+        changes inside a run (no row ends, waits or resumes)."""
+        rep = self.load_report(instance_id, now, utilization, state)
+        taken = steady_blocks_taken(self.running, self.kv, done, to)
+        added = len(self.running) * (to // 2 - done // 2)
+        if not (taken or added):
+            return rep
+        return replace_fields(rep, num_free_blocks=rep.num_free_blocks - taken,
+                              num_used_blocks=rep.num_used_blocks + taken, tokens_in_flight=rep.tokens_in_flight + added)
+
     def steady_output(self) -> SchedulerOutput:
         """What ``schedule()`` returned for the steady run's step in flight (after an odd half step)."""
         return steady_step_output(self.running, self.kv, self._step_id)
@@ -506,6 +527,16 @@ class DecodeScheduler(Detachable):
             lower = r.predicted_lower
             if lower is not None and lower > threshold:
                 heavy += 1
+        tokens = prefill_tokens = 0
+        for r in self.running:  # tokens held, and the prompt tokens of rows not prefilled yet (local prefills)
+            n = len(r.prompt_token_ids) + len(r.output_token_ids)  # ``num_tokens``
+            tokens += n
+            if not r.output_token_ids:
+                prefill_tokens += n - r.num_computed_tokens  # ``num_uncomputed_tokens``
+        for r in self.suspended:
+            prefill_tokens += r.num_tokens
+        kv = self.kv
+        free = kv.num_free_blocks
         return LoadReport(
             instance_id=instance_id,
             role=Role.DECODE,
@@ -513,15 +544,14 @@ class DecodeScheduler(Detachable):
             time=now,
             num_queued=len(self.reserved) + len(self.suspended),
             num_running=len(self.running),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_used_blocks=self.kv.num_used_blocks,
-            block_size=self.kv.block_size,
-            tokens_in_flight=sum(r.num_tokens for r in self.running),
+            num_free_blocks=free,
+            num_used_blocks=kv.num_blocks - free,  # ``kv.num_used_blocks``
+            block_size=kv.block_size,
+            tokens_in_flight=tokens,
             num_heavy_decodes=heavy,
             num_light_decodes=len(self._table) - heavy,
             utilization=utilization,
-            num_prefill_tokens=sum(r.num_uncomputed_tokens for r in self.running if not r.output_token_ids)
-            + sum(r.num_tokens for r in self.suspended),
+            num_prefill_tokens=prefill_tokens,
         )
 
     def check_invariants(self) -> None:

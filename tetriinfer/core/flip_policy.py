@@ -165,14 +165,16 @@ class FlipPolicy:
     def observe(self, reports: Sequence[LoadReport], now: float) -> list[FlipCommand]:
         cfg = self.config
         commands: list[FlipCommand] = []
-        by_id = {r.instance_id: r for r in reports}
         role_of, state_of = self._role, self._state
         for r in reports:
             if r.instance_id not in role_of:
                 role_of[r.instance_id] = r.role
                 state_of[r.instance_id] = InstanceState.ACTIVE
-        # DRAINING -> FLIPPING once the instance reports empty.
         draining = InstanceState.DRAINING
+        if not cfg.enabled and draining not in state_of.values():  # nothing below to do (``_candidate`` is off)
+            return commands
+        by_id = {r.instance_id: r for r in reports}
+        # DRAINING -> FLIPPING once the instance reports empty.
         for iid, rep in by_id.items():
             if state_of[iid] is draining and rep.is_empty:
                 self._state[iid] = InstanceState.FLIPPING

@@ -227,11 +227,13 @@ class PDController:
         backlog = min(1.0, r.num_prefill_tokens / self.config.backlog_full_tokens)
         if role is Role.PREFILL:
             busy = r.utilization if r.num_queued > 0 or r.num_running == 0 else 0.0
-            return (prefill_load(r, self.config.backlog_full_tokens), busy + backlog, float(r.num_queued),
-                    float(r.num_running), 0.0, 0.0)
+            return (r.utilization + backlog,  # ``prefill_load(r, backlog_full_tokens)``, its backlog term reused
+                    busy + backlog, float(r.num_queued), float(r.num_running), 0.0, 0.0)
         local = float(r.num_queued) if r.num_prefill_tokens > 0 else 0.0
-        return (decode_load(r), backlog, local, float(r.num_running + r.num_queued) - local, r.step_inflation,
-                kv_pressure(r))
+        pressure = kv_pressure(r)
+        inflation = r.step_inflation
+        return (pressure if pressure >= inflation else inflation,  # ``decode_load(r)``: max(pressure, inflation)
+                backlog, local, float(r.num_running + r.num_queued) - local, inflation, pressure)
 
     def _update_smoothing(self, reports: Sequence[LoadReport], now: float) -> None:
         tau = self.config.smoothing_s

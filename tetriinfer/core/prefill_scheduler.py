@@ -261,17 +261,21 @@ class PrefillScheduler:
         self, instance_id: str, now: float, utilization: float = 0.0,
         state: InstanceState = InstanceState.ACTIVE,
     ) -> LoadReport:
+        queued = len(self.queue)
+        todo = sum(r.num_uncomputed_tokens for r in self.queue.requests()) if queued else 0
+        kv = self.kv
+        free = kv.num_free_blocks
         return LoadReport(
             instance_id=instance_id,
             role=Role.PREFILL,
             state=state,
             time=now,
-            num_queued=len(self.queue),
+            num_queued=queued,
             num_running=len(self.handed_over),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_used_blocks=self.kv.num_used_blocks,
-            block_size=self.kv.block_size,
-            tokens_in_flight=(todo := sum(r.num_uncomputed_tokens for r in self.queue.requests())),
+            num_free_blocks=free,
+            num_used_blocks=kv.num_blocks - free,  # ``kv.num_used_blocks``
+            block_size=kv.block_size,
+            tokens_in_flight=todo,
             utilization=utilization,
             num_prefill_tokens=todo,
         )

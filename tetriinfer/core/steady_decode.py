@@ -89,18 +89,8 @@ def advance_steady(running: Sequence[Request], kv: KVCacheManager, token: int, d
     s0, s1 = (done + 1) // 2, (to + 1) // 2  # steps scheduled before / after
     u0, u1 = done // 2, to // 2  # steps updated before / after
     if s1 > s0:
-        bs = kv.block_size
-        grows: list[tuple[int, int, str, int]] = []
-        for i, req in enumerate(running):
-            base = len(req.prompt_token_ids) + len(req.output_token_ids) - 1 - u0  # step s: context base + s
-            held = kv.num_blocks_of(req.request_id)
-            s = max(held * bs - base + 1, s0 + 1)  # the first step whose context needs one more block
-            while s <= s1:
-                grows.append((s, i, req.request_id, base + s))
-                s += bs
-        grows.sort()
         grow = kv.grow
-        for _, _, rid, tokens in grows:
+        for _, _, rid, tokens in _block_grows(running, kv, done, to):
             held = grow(rid, tokens)
             if held < 0:
                 raise AssertionError(f"steady run outgrew the free blocks at {rid}")
@@ -113,6 +103,33 @@ def advance_steady(running: Sequence[Request], kv: KVCacheManager, token: int, d
             req.output_token_ids.extend(more)
             req.num_computed_tokens += n
     return s1 - s0
+
+
+def _block_grows(running: Sequence[Request], kv: KVCacheManager, done: int,
+                 to: int) -> list[tuple[int, int, str, int]]:
+    """The blocks the rows take between half steps ``done`` and ``to`` of a steady run (``running`` and ``kv`` as
+    they are at ``done``), one ``(step, row, request id, tokens the row then needs)`` per block, in allocation
+    order: steps in order, rows oldest first within a step."""
+    s0, s1 = (done + 1) // 2, (to + 1) // 2  # steps scheduled before / after
+    u0 = done // 2  # steps updated before
+    bs = kv.block_size
+    grows: list[tuple[int, int, str, int]] = []
+    for i, req in enumerate(running):
+        base = len(req.prompt_token_ids) + len(req.output_token_ids) - 1 - u0  # step s: context base + s
+        held = kv.num_blocks_of(req.request_id)
+        s = max(held * bs - base + 1, s0 + 1)  # the first step whose context needs one more block
+        while s <= s1:
+            grows.append((s, i, req.request_id, base + s))
+            s += bs
+    grows.sort()
+    return grows
+
+
+def steady_blocks_taken(running: Sequence[Request], kv: KVCacheManager, done: int, to: int) -> int:
+    """How many free blocks ``advance_steady(running, kv, _, done, to)`` will take, without taking them."""
+    if (to + 1) // 2 <= (done + 1) // 2:  # no step scheduled in between
+        return 0
+    return len(_block_grows(running, kv, done, to))
 
 
 def steady_step_output(running: Sequence[Request], kv: KVCacheManager, step_id: int) -> SchedulerOutput:

@@ -408,6 +408,12 @@ class SimCluster:
             rec.chunk_tokens.extend(ones)
             rec.output_tokens += n
 
+    def first_tokens_streamed(self, request_ids: list[str]) -> bool:
+        """Every one of these requests has streamed its first token (its TTFT is known; what it streams next is
+        read only once it ends: the records, the global policy's token counts)."""
+        records = self._records
+        return all(records[rid].first_token_s is not None for rid in request_ids)
+
     def on_failed(self, request_id: str, reason: str) -> None:
         self._end(request_id, success=False, reason=reason)
 

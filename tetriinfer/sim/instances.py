@@ -64,7 +64,10 @@ class Host(Protocol):
     def on_tokens(self, new_tokens: dict[str, int], finished: tuple[Request, ...]) -> None: ...
 
     # optional: ``on_token_run(request_ids, times)``: each request streamed one token at each of ``times`` (a
-    # steady decode run's steps, in order); a host without it gets no steady runs
+    # steady decode run's steps, in order); a host without it gets no steady runs.
+    # optional: ``first_tokens_streamed(request_ids) -> bool``: every one has streamed its first token; then a steady
+    # run's tokens may reach ``on_token_run`` late (in one call per sync of the instance), as nothing reads a
+    # request's later token times before it ends
 
     def on_failed(self, request_id: str, reason: str) -> None: ...
 
@@ -137,13 +140,16 @@ class SteadyRun:
     end of step ``s``, ``ends[s - 1] = ends[s - 2] + costs[s - 1]`` (``t0`` before step 1), the float additions a
     step-by-step run makes; ``ones[s - 1]`` the price of that step with only the first row (what step inflation
     compares with; ``costs`` itself when there is one row or nobody reads it). ``started`` / ``ended`` count steps
-    whose start / end bookkeeping is done, ``done`` the scheduler's half steps.
+    whose start / end bookkeeping is done, ``done`` the scheduler's half steps, ``half_steps`` where the clock's
+    last sync puts them (``done`` lags it between a ``_sync_books`` and the next ``sync``), ``streamed`` the steps
+    whose tokens the host has (``ended`` or, with ``defer_streams``, as far as the last ``sync``).
 
     Invariant: every sync leaves ``ends[-1] > now`` unless all ``length`` steps are priced, so whatever it reads of
     the steps up to the one in flight is what pricing the whole run at once would give."""
 
     __slots__ = ("scheduler", "request_ids", "t0", "length", "costs", "ones", "ends", "started", "ended", "done",
-                 "timer", "end_seq", "synced_at", "_price", "_context_sum", "_one_context")
+                 "half_steps", "streamed", "defer_streams", "timer", "end_seq", "synced_at", "_price", "_context_sum",
+                 "_one_context")
 
     def __init__(self, scheduler: SteadyScheduler, request_ids: list[str], t0: float, length: int,
                  price: Callable[[int, int, int], list[float] | None], context_sum: int,
@@ -156,7 +162,8 @@ class SteadyRun:
         self.costs: list[float] = []
         self.ones: list[float] = self.costs if one_context is None else []
         self.ends: list[float] = []
-        self.started = self.ended = self.done = 0
+        self.started = self.ended = self.done = self.half_steps = self.streamed = 0
+        self.defer_streams = False  # stream tokens at ``sync`` only, not at every ``_sync_books`` (set by the owner)
         self.timer: Timer | None = None
         self.end_seq = -1  # the event order reserved for the run's end when it began (``EventLoop.reserve``)
         self.synced_at = -1.0  # the clock at the last ``SimInstance.sync`` (a sync at the same instant changes nothing)
@@ -265,6 +272,10 @@ class SimInstance:
             return False
         loop = self.host.loop
         run = self._run = SteadyRun(sched, [r.request_id for r in rows], loop.now, k, price, context_sum, one_context)
+        # The host may hear of the run's tokens late (at the run's next change or end) when nothing reads them
+        # before: every row streamed its first token already (a first token settles the routing's prefill backlog)
+        streamed_first = getattr(self.host, "first_tokens_streamed", None)
+        run.defer_streams = streamed_first is not None and streamed_first(run.request_ids)
         self.stepping = True
         self.num_steady_runs += 1
         run.end_seq = loop.reserve()  # the run's end runs where an end event scheduled now would
@@ -282,21 +293,37 @@ class SimInstance:
             run.timer = loop.timer(run.ends[-1], self._run_chunk_end)
 
     def _run_chunk_end(self) -> None:
-        """The clock reached the run's last priced step end: price on (``sync``) and arm the next event."""
-        run = self._run
+        """The clock reached the run's last priced step end: price on (``_sync_books``) and arm the next event."""
+        run = self._sync_books()
         assert run is not None
-        self.sync()
         self._arm(run)
 
     def sync(self) -> None:
         """Bring a steady run in flight forward to now: the steps ended by now are done (scheduler updated,
         tokens streamed at their times, inflation observed); the step in flight is started and scheduled."""
-        run = self._run
+        run = self._sync_books()
         if run is None:
             return
+        h = run.half_steps
+        if h > run.done:
+            run.scheduler.advance_steady(SAMPLED_TOKEN, run.done, h)
+            run.done = h
+        if run.ended > run.streamed:  # deferred streams (``defer_streams``)
+            self.host.on_token_run(run.request_ids, run.ends[run.streamed:run.ended])  # type: ignore[attr-defined]
+            run.streamed = run.ended
+
+    def _sync_books(self) -> SteadyRun | None:
+        """``sync`` but for the scheduler (left at ``run.done`` half steps; ``run.half_steps`` is where ``sync``
+        would take it): the steps started and ended by now are accounted (busy time, utilization spans, step
+        inflation) and their tokens streamed, as ``_start`` and ``end_step`` do step by step. Enough for every
+        reader but the scheduler's state (``take_utilization``; ``SimDecode.report`` reads that state ahead,
+        ``DecodeScheduler.steady_load_report``). Returns the run in flight, if any."""
+        run = self._run
+        if run is None:
+            return None
         now = self.host.loop.now
         if now == run.synced_at:  # brought to this instant already (a report right after its utilization)
-            return
+            return run
         run.synced_at = now
         while run.ends[-1] <= now and not run.fully_priced:  # the clock passed the priced steps: price on
             run.price_more()
@@ -316,16 +343,16 @@ class SimInstance:
             self.steps += b - run.started
             self.step_seconds = costs[b - 1]
             run.started = b
-        h = 2 * e + 1 if e < k else 2 * k
-        if h > run.done:
-            run.scheduler.advance_steady(SAMPLED_TOKEN, run.done, h)
-            run.done = h
+        run.half_steps = 2 * e + 1 if e < k else 2 * k  # the step in flight scheduled, or the last one updated
         if e > run.ended:  # step ends: as ``end_step`` observes and streams each step
             inflation = getattr(self, "inflation", None)  # roles that measure step inflation (not a prefill's keeps)
             if inflation is not None:  # ``observe(rows, costs[s], ones[s])`` for each step s that ended
                 inflation.observe_steps(len(run.request_ids), costs[run.ended:e], run.ones[run.ended:e])
-            self.host.on_token_run(run.request_ids, ends[run.ended:e])  # type: ignore[attr-defined]
+            if not run.defer_streams:
+                self.host.on_token_run(run.request_ids, ends[run.ended:e])  # type: ignore[attr-defined]
+                run.streamed = e
             run.ended = e
+        return run
 
     def _end_run(self) -> None:
         """The run's last step ended: as ``_finish`` after a step."""
@@ -435,7 +462,7 @@ class SimInstance:
         if interval_s <= 0:
             return 0.0
         if self._run is not None:
-            self.sync()
+            self._sync_books()
         spans = self._spans
         if not spans:  # no step since the last report: idle (what the sum below gives: 0.0 / interval_s)
             return min(1.0, 0.0 / interval_s)
@@ -711,8 +738,11 @@ class SimDecode(SimInstance):
             self.admit_local()
 
     def report(self, now: float, utilization: float) -> LoadReport:
-        self.sync()
-        rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
+        run = self._sync_books()
+        if run is None:
+            rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
+        else:  # read ahead: the scheduler moves on at the run's next change or end (``sync``), not per report
+            rep = self.scheduler.steady_load_report(self.iid, now, utilization, self.state, run.done, run.half_steps)
         pending, local = self.pending, self.local_pending
         if not (pending or local):  # nothing waits for admission (the usual case): the sums below are all 0
             return decode_instance_report(rep, 0, 0, self.inflation.take(), 0)
