@@ -46,7 +46,6 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tetriinfer.core.frozen import replace_fields
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import DEFAULT_HEAVY_DECODE_TOKENS, InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import _segment
@@ -471,13 +470,9 @@ class DecodeScheduler(Detachable):
         half step ``done`` of a steady run) to half step ``to``, without moving it: the rows take the blocks
         ``steady_blocks_taken`` counts and hold one more token per step updated; nothing else a report shows
         changes inside a run (no row ends, waits or resumes)."""
-        rep = self.load_report(instance_id, now, utilization, state)
-        taken = steady_blocks_taken(self.running, self.kv, done, to)
-        added = len(self.running) * (to // 2 - done // 2)
-        if not (taken or added):
-            return rep
-        return replace_fields(rep, num_free_blocks=rep.num_free_blocks - taken,
-                              num_used_blocks=rep.num_used_blocks + taken, tokens_in_flight=rep.tokens_in_flight + added)
+        return self._load_report(instance_id, now, utilization, state,
+                                 steady_blocks_taken(self.running, self.kv, done, to),
+                                 len(self.running) * (to // 2 - done // 2))
 
     def steady_output(self) -> SchedulerOutput:
         """What ``schedule()`` returned for the steady run's step in flight (after an odd half step)."""
@@ -521,6 +516,11 @@ class DecodeScheduler(Detachable):
         self, instance_id: str, now: float, utilization: float = 0.0,
         state: InstanceState = InstanceState.ACTIVE,
     ) -> LoadReport:
+        return self._load_report(instance_id, now, utilization, state, 0, 0)
+
+    def _load_report(self, instance_id: str, now: float, utilization: float, state: InstanceState,
+                     blocks_ahead: int, tokens_ahead: int) -> LoadReport:
+        """``load_report`` with ``blocks_ahead`` more blocks used and ``tokens_ahead`` more tokens held than now."""
         threshold = self.config.heavy_decode_tokens
         heavy = 0
         for r in self._table.values():  # ``is_heavy_decode(r.predicted_lower, threshold)``, inline
@@ -536,7 +536,7 @@ class DecodeScheduler(Detachable):
         for r in self.suspended:
             prefill_tokens += r.num_tokens
         kv = self.kv
-        free = kv.num_free_blocks
+        free = kv.num_free_blocks - blocks_ahead
         return LoadReport(
             instance_id=instance_id,
             role=Role.DECODE,
@@ -547,7 +547,7 @@ class DecodeScheduler(Detachable):
             num_free_blocks=free,
             num_used_blocks=kv.num_blocks - free,  # ``kv.num_used_blocks``
             block_size=kv.block_size,
-            tokens_in_flight=tokens,
+            tokens_in_flight=tokens + tokens_ahead,
             num_heavy_decodes=heavy,
             num_light_decodes=len(self._table) - heavy,
             utilization=utilization,

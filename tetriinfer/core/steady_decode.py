@@ -126,10 +126,24 @@ def _block_grows(running: Sequence[Request], kv: KVCacheManager, done: int,
 
 
 def steady_blocks_taken(running: Sequence[Request], kv: KVCacheManager, done: int, to: int) -> int:
-    """How many free blocks ``advance_steady(running, kv, _, done, to)`` will take, without taking them."""
-    if (to + 1) // 2 <= (done + 1) // 2:  # no step scheduled in between
+    """How many free blocks ``advance_steady(running, kv, _, done, to)`` will take, without taking them: the
+    number of ``_block_grows``, counted row by row (a row takes a block at its first step needing one, then every
+    ``block_size`` steps)."""
+    s0, s1 = (done + 1) // 2, (to + 1) // 2  # steps scheduled before / after
+    if s1 <= s0:
         return 0
-    return len(_block_grows(running, kv, done, to))
+    u0 = done // 2
+    bs = kv.block_size
+    held_of = kv.num_blocks_of
+    taken = 0
+    for req in running:
+        base = len(req.prompt_token_ids) + len(req.output_token_ids) - 1 - u0  # step s: context base + s
+        first = held_of(req.request_id) * bs - base + 1  # the first step whose context needs one more block
+        if first <= s0:
+            first = s0 + 1
+        if first <= s1:
+            taken += (s1 - first) // bs + 1
+    return taken
 
 
 def steady_step_output(running: Sequence[Request], kv: KVCacheManager, step_id: int) -> SchedulerOutput:

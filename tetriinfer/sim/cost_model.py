@@ -124,6 +124,10 @@ class ProfileCostModel:
         depends on its batch only): the same float for every step."""
         return [self.decode_seconds(rows) + self.step_overhead_s] * steps
 
+    def decode_run_exact(self, context_sum: int, rows: int, steps: int) -> bool:
+        """``decode_run_seconds`` always prices a run here."""
+        return True
+
     def describe(self) -> str:
         return f"profile {self.source or '(inline)'}, step overhead {self.step_overhead_s * 1e3:.1f} ms"
 
@@ -249,11 +253,11 @@ class RooflineCostModel:
         ``attn x (start + 1)`` and ``(start + 1) x KV bytes``), which is exact below 2**53, so the sums equal
         ``attn x context_sum`` and ``context_sum x KV bytes``. None when a sum could reach 2**53 (or the attention
         constant is not an integer): then only ``step_seconds`` gives the exact float."""
+        if not self.decode_run_exact(context_sum, rows, steps):
+            return None
         peak, bw = self._peak, self._bw  # type: ignore[attr-defined]
         per_token, attn_c = self._kv_per_token, self._attn_flops  # type: ignore[attr-defined]
         last = context_sum + rows * (steps - 1)
-        if not attn_c.is_integer() or attn_c * last >= 2.0**53 or (last + rows) * per_token >= 2**53:
-            return None
         linear = max(self._linear_flops * rows / peak, self._linear_read_s)  # type: ignore[attr-defined]
         head = max(self._head_flops * rows / peak, self._head_read_s)  # type: ignore[attr-defined]
         overhead, tail = self.step_overhead_s, rows * per_token
@@ -266,6 +270,13 @@ class RooflineCostModel:
             flops_s, read_s = attn_c * ctx / peak, (ctx * per_token + tail) / bw
             append(base + (flops_s if flops_s >= read_s else read_s) + overhead)  # max(flops_s, read_s)
         return out
+
+    def decode_run_exact(self, context_sum: int, rows: int, steps: int) -> bool:
+        """Whether ``decode_run_seconds(context_sum, rows, steps)`` prices the run (bit for bit) rather than
+        returning None: every sum it takes stays below 2**53. True for any shorter run or chunk of it."""
+        per_token, attn_c = self._kv_per_token, self._attn_flops  # type: ignore[attr-defined]
+        last = context_sum + rows * (steps - 1)
+        return attn_c.is_integer() and attn_c * last < 2.0**53 and (last + rows) * per_token < 2**53
 
     def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
         """Tokens of KV that fit next to the weights in ``memory_fraction`` of the device memory (x TP)."""

@@ -229,7 +229,7 @@ class SimInstance:
         self.one_row: OneRowCosts = shared if isinstance(shared, OneRowCosts) and shared.cost is cost else OneRowCosts(cost)
         self._run: SteadyRun | None = None
         self.steady_runs = (getattr(host, "steady_runs", True) and hasattr(host, "on_token_run")
-                            and hasattr(cost, "decode_run_seconds"))
+                            and hasattr(cost, "decode_run_seconds") and hasattr(cost, "decode_run_exact"))
         self.num_steady_runs = 0
 
     # subclass hooks
@@ -266,9 +266,8 @@ class SimInstance:
         context_sum = sum(r.num_computed_tokens for r in rows) + n
         # ones: the batch-1 prices step inflation reads (not a prefill's keeps); ``costs`` itself for one row
         one_context = rows[0].num_computed_tokens + 1 if n > 1 and getattr(self, "inflation", None) is not None else None
-        # exact for the whole run iff exact at its last step (the bound grows with the context)
-        if price(context_sum + n * (k - 1), n, 1) is None or (
-                one_context is not None and price(one_context + k - 1, 1, 1) is None):
+        exact = self.cost.decode_run_exact  # type: ignore[attr-defined]  # for the run, so for every chunk of it
+        if not exact(context_sum, n, k) or (one_context is not None and not exact(one_context, 1, k)):
             return False
         loop = self.host.loop
         run = self._run = SteadyRun(sched, [r.request_id for r in rows], loop.now, k, price, context_sum, one_context)
