@@ -560,13 +560,14 @@ class SimPrefill(SimInstance):
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         pre, dec = self._parts
         self._parts = (None, None)
+        # with one part only, ``out`` is that part and ``result`` all its own (what ``split_result`` would give)
         if pre is not None:
-            upd = self.scheduler.update(pre, split_result(result, pre))
+            upd = self.scheduler.update(pre, result if dec is None else split_result(result, pre))
             self.host.on_tokens(upd.new_tokens, upd.finished)
             for req in upd.prefilled:
                 self.stage(req)
         if dec is not None:
-            upd_d = self.kept.update(dec, split_result(result, dec))
+            upd_d = self.kept.update(dec, result if pre is None else split_result(result, dec))
             self.host.on_tokens(upd_d.new_tokens, upd_d.finished)
 
     def _may_keep(self, req: Request) -> bool:
