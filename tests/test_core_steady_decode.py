@@ -9,7 +9,11 @@ from typing import Any
 
 import pytest
 
-from tetriinfer.core.colocated_scheduler import ColocatedSchedulerConfig, make_colocated_scheduler
+from tetriinfer.core.colocated_scheduler import (
+    ColocatedSchedulerConfig,
+    colocated_load_report,
+    make_colocated_scheduler,
+)
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState
@@ -110,9 +114,12 @@ def test_advancing_a_steady_run_equals_stepping_it(build: Callable[[int], Any]) 
                     upd = stepped.update(out, StepResult(out.step_id, dict.fromkeys(rows, TOKEN)))
                     assert not upd.finished and list(upd.new_tokens) == rows
                 h += 1
-            if isinstance(jumped, DecodeScheduler):  # what a report reads at ``cut``, before jumping there
-                ahead = jumped.steady_load_report("d", 1.5, 0.25, InstanceState.ACTIVE, done, cut)
+            # what a report reads at ``cut``, before jumping there
+            ahead = jumped.steady_load_report("d", 1.5, 0.25, InstanceState.ACTIVE, done, cut)
+            if isinstance(jumped, DecodeScheduler):
                 assert ahead == stepped.load_report("d", 1.5, 0.25, InstanceState.ACTIVE), f"seed {seed}: {cut}"
+            else:
+                assert ahead == colocated_load_report(stepped, "d", 1.5, 0.25, InstanceState.ACTIVE), f"{seed}: {cut}"
             jumped.advance_steady(TOKEN, done, cut)
             done = cut
             assert _state(jumped) == _state(stepped), f"seed {seed}: half step {cut} of {2 * k}"

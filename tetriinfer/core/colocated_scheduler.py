@@ -35,7 +35,13 @@ from tetriinfer.core.local_scheduler import LocalScheduler, StepUpdate, _segment
 from tetriinfer.core.migration import Detachable
 from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.request_table import RequestTable
-from tetriinfer.core.steady_decode import advance_steady, is_decode_row, steady_run_length, steady_step_output
+from tetriinfer.core.steady_decode import (
+    advance_steady,
+    is_decode_row,
+    steady_blocks_taken,
+    steady_run_length,
+    steady_step_output,
+)
 from tetriinfer.core.step import ScheduledSegment, SchedulerOutput, StepKind, StepResult
 
 
@@ -291,6 +297,15 @@ class _ColocatedBase(Detachable):
         """What ``schedule()`` returned for the steady run's step in flight (after an odd half step)."""
         return steady_step_output(self.running, self.kv, self._step_id)
 
+    def steady_load_report(self, instance_id: str, now: float, utilization: float, state: InstanceState,
+                           done: int, to: int) -> LoadReport:
+        """``colocated_load_report`` as it will read once ``advance_steady(_, done, to)`` has moved this scheduler
+        (now at half step ``done`` of a steady run) to half step ``to``, without moving it: only the blocks the
+        rows take (``steady_blocks_taken``) change what it reports (nothing waits inside a run, and it counts one
+        token per running request whatever their length)."""
+        return colocated_load_report(self, instance_id, now, utilization, state,
+                                     blocks_ahead=steady_blocks_taken(self.running, self.kv, done, to))
+
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         if self._seats_taken() > self.config.max_num_seqs:
@@ -384,22 +399,25 @@ def make_colocated_scheduler(
 
 def colocated_load_report(
     scheduler: _ColocatedBase | LocalScheduler, instance_id: str, now: float, utilization: float = 0.0,
-    state: InstanceState = InstanceState.ACTIVE,
+    state: InstanceState = InstanceState.ACTIVE, *, blocks_ahead: int = 0,
 ) -> LoadReport:
     """What a colocated instance tells the monitor. It reports the PREFILL role: the global scheduler routes
     new requests to it (least prompt tokens still to prefill first); ``tokens_in_flight`` = prompt tokens still
-    to prefill + one per running request."""
+    to prefill + one per running request. ``blocks_ahead``: blocks counted as used beyond those used now (a
+    steady run's, ``_ColocatedBase.steady_load_report``)."""
     kv = scheduler.kv
+    waiting = scheduler.waiting
+    free = kv.num_free_blocks - blocks_ahead
     return LoadReport(
         instance_id=instance_id,
         role=Role.PREFILL,
         state=state,
         time=now,
-        num_queued=len(scheduler.waiting),
+        num_queued=len(waiting),
         num_running=len(scheduler.running),
-        num_free_blocks=kv.num_free_blocks,
-        num_used_blocks=kv.num_used_blocks,
+        num_free_blocks=free,
+        num_used_blocks=kv.num_blocks - free,  # ``kv.num_used_blocks`` (+ ``blocks_ahead``)
         block_size=kv.block_size,
-        tokens_in_flight=sum(r.num_uncomputed_tokens for r in scheduler.waiting) + len(scheduler.running),
+        tokens_in_flight=(sum(r.num_uncomputed_tokens for r in waiting) if waiting else 0) + len(scheduler.running),
         utilization=utilization,
     )

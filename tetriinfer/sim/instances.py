@@ -794,7 +794,10 @@ class SimColocated(SimInstance):
         self.host.on_tokens(upd.new_tokens, upd.finished)
 
     def report(self, now: float, utilization: float) -> LoadReport:
-        self.sync()
-        rep = colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
+        run = self._sync_books()
+        if run is None:
+            rep = colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
+        else:  # read ahead, as ``SimDecode.report``
+            rep = self.scheduler.steady_load_report(self.iid, now, utilization, self.state, run.done, run.half_steps)
         return replace_fields(rep, step_inflation=self.inflation.take())
 
