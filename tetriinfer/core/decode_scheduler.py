@@ -464,6 +464,11 @@ class DecodeScheduler(Detachable):
 
         self._step_id += advance_steady(self.running, self.kv, token, done, to, extended)
 
+    def steady_blocks_taken(self, done: int, to: int) -> int:
+        """The free blocks ``advance_steady(_, done, to)`` will take (this scheduler at half step ``done`` of a
+        steady run), without taking them."""
+        return steady_blocks_taken(self.running, self.kv, done, to)
+
     def steady_load_report(self, instance_id: str, now: float, utilization: float, state: InstanceState,
                            done: int, to: int) -> LoadReport:
         """``load_report`` as it will read once ``advance_steady(_, done, to)`` has moved this scheduler (now at

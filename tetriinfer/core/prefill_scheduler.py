@@ -259,12 +259,14 @@ class PrefillScheduler:
     # ---- reporting -----------------------------------------------------------------------
     def load_report(
         self, instance_id: str, now: float, utilization: float = 0.0,
-        state: InstanceState = InstanceState.ACTIVE,
+        state: InstanceState = InstanceState.ACTIVE, *, blocks_ahead: int = 0,
     ) -> LoadReport:
+        """``blocks_ahead``: blocks of the shared pool counted as used beyond those used now (a steady run of the
+        instance's kept decodes, read ahead: ``DecodeScheduler.steady_blocks_taken``)."""
         queued = len(self.queue)
         todo = sum(r.num_uncomputed_tokens for r in self.queue.requests()) if queued else 0
         kv = self.kv
-        free = kv.num_free_blocks
+        free = kv.num_free_blocks - blocks_ahead
         return LoadReport(
             instance_id=instance_id,
             role=Role.PREFILL,

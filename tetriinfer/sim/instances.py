@@ -635,8 +635,9 @@ class SimPrefill(SimInstance):
         self.staged.discard(request_id)
 
     def report(self, now: float, utilization: float) -> LoadReport:
-        self.sync()
-        rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
+        run = self._sync_books()
+        ahead = 0 if run is None else self.kept.steady_blocks_taken(run.done, run.half_steps)  # read ahead (kept run)
+        rep = self.scheduler.load_report(self.iid, now, utilization, self.state, blocks_ahead=ahead)
         return prefill_instance_report(rep, len(self.staged) + len(self.kept.running) + len(self.kept.suspended))
 
 
