@@ -37,20 +37,28 @@ def _instances(srv: ServeProcess) -> dict[str, dict]:
 
 def _run_with_kill(srv: ServeProcess, model: str, ids: range, victim: str | None,
                    ready: str) -> list[tuple[str, str | None, int]]:
-    """Run the streams ``ids`` at once; once ``ready`` holds on the victim, kill -9 it."""
+    """Run the streams ``ids`` at once; once ``ready`` holds on the victim, kill -9 it -- while it holds streams:
+    the victim is stopped (SIGSTOP) first, and killed only if the router then counts streams it holds (its reports
+    lag by a report interval, so a queue they show may already have drained); else it resumes and the wait goes on."""
 
     async def go() -> list[tuple[str, str | None, int]]:
         async with httpx.AsyncClient() as client:
             tasks = [asyncio.create_task(_stream(client, srv.base_url, model, i)) for i in ids]
             if victim is not None:
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
+                while True:
                     info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
                     inst = {i["id"]: i for i in info["instances"]}[victim]
-                    if inst[ready] >= 1 and info["requests_in_flight"] >= len(ids) // 2:
-                        break
+                    if (inst[ready] >= 1 and info["requests_in_flight"] >= len(ids) // 2) or time.monotonic() > deadline:
+                        os.kill(inst["pid"], signal.SIGSTOP)
+                        info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
+                        held = {i["id"]: i for i in info["instances"]}[victim]["streams_held"]
+                        if held >= 1 or time.monotonic() > deadline:
+                            assert held >= 1, f"{victim} never held a stream"
+                            os.kill(inst["pid"], signal.SIGKILL)
+                            break
+                        os.kill(inst["pid"], signal.SIGCONT)
                     await asyncio.sleep(0.02)
-                os.kill(inst["pid"], signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
 
     return asyncio.run(go())

@@ -1001,6 +1001,11 @@ class ClusterEngineClient:
 
     # ---- introspection ---------------------------------------------------------------------
     def cluster_info(self) -> dict[str, Any]:
+        held: dict[str, int] = {}  # unfinished streams each instance holds, by the router's own bookkeeping
+        for stream in self.streams.values():
+            if not stream.finished:
+                for iid in stream.instances:
+                    held[iid] = held.get(iid, 0) + 1
         out = []
         for info in self.instances.values():
             load = info.load
@@ -1020,6 +1025,7 @@ class ClusterEngineClient:
                 "kv_blocks_total": hello.kv_blocks_total if hello else 0,
                 "queued": load.num_queued if load else 0,
                 "running": load.num_running if load else 0,
+                "streams_held": held.get(info.instance_id, 0),
                 "utilization": load.utilization if load else 0.0,
                 "busy_s": load.busy_s if load else 0.0,
                 "steps": load.steps if load else 0,
