@@ -57,7 +57,8 @@ class EventLoop:
     def reserve(self) -> int:
         """A place in the order of events: ``timer_reserved(when, place, fn)`` later runs ``fn`` where an event
         scheduled at ``when`` by ``at`` now (instead of later) would run among the events of that instant. The
-        caller must schedule it before the clock passes ``when``."""
+        caller must schedule it before any event that it would precede has run (in practice: before the clock
+        reaches ``when``)."""
         return next(self._seq)
 
     def timer_reserved(self, when: float, place: int, fn: Callable[[], None]) -> Timer:

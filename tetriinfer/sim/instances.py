@@ -145,7 +145,8 @@ class SteadyRun:
     whose tokens the host has (``ended`` or, with ``defer_streams``, as far as the last ``sync``).
 
     Invariant: every sync leaves ``ends[-1] > now`` unless all ``length`` steps are priced, so whatever it reads of
-    the steps up to the one in flight is what pricing the whole run at once would give."""
+    the steps up to the one in flight is what pricing the whole run at once would give; and since step prices are
+    positive, the last chunk is priced before the clock reaches the run's end (where its end event is placed)."""
 
     __slots__ = ("scheduler", "request_ids", "t0", "length", "costs", "ones", "ends", "started", "ended", "done",
                  "half_steps", "streamed", "defer_streams", "timer", "end_seq", "synced_at", "_price", "_context_sum",
@@ -166,7 +167,7 @@ class SteadyRun:
         self.defer_streams = False  # stream tokens at ``sync`` only, not at every ``_sync_books`` (set by the owner)
         self.timer: Timer | None = None
         self.end_seq = -1  # the event order reserved for the run's end when it began (``EventLoop.reserve``)
-        self.synced_at = -1.0  # the clock at the last ``SimInstance.sync`` (a sync at the same instant changes nothing)
+        self.synced_at = -1.0  # the clock at the last ``SimInstance._sync_books`` (one at the same instant: a no-op)
         self.price_more()
 
     @property
@@ -206,9 +207,11 @@ class SimInstance:
     """Stepping, busy-time accounting and state shared by every role.
 
     Steady decode runs: when an instance's next steps cannot change its batch (``steady_scheduler`` and the
-    scheduler's ``steady_steps``), it prices them at once and schedules one event for the run's end instead of one
-    per step. Everything that reads or changes the instance meanwhile first brings it to the present: reads
-    (``report``, ``take_utilization``) with ``sync``; changes (a request or KV arriving, a migration) with
+    scheduler's ``steady_steps``), it prices them without stepping (``SteadyRun``) and schedules one event for the
+    run's end (and one per chunk of steps priced) instead of one per step. Everything that reads or changes the
+    instance meanwhile first brings it to the present: reads with ``sync``, or ``_sync_books`` where the
+    scheduler's own state is not read or is read ahead (``take_utilization``; ``report`` through the schedulers'
+    ``steady_load_report`` / ``steady_blocks_taken``); changes (a request or KV arriving, a migration) with
     ``interrupt``, which ends the run after the step in flight, as a step-by-step run would take the change at
     that step's end. Invariant: a run changes no simulated number (the same steps, prices, token times and
     state at every event that can observe them; ``tests/test_sim_steady_runs.py``)."""
@@ -313,10 +316,11 @@ class SimInstance:
 
     def _sync_books(self) -> SteadyRun | None:
         """``sync`` but for the scheduler (left at ``run.done`` half steps; ``run.half_steps`` is where ``sync``
-        would take it): the steps started and ended by now are accounted (busy time, utilization spans, step
-        inflation) and their tokens streamed, as ``_start`` and ``end_step`` do step by step. Enough for every
-        reader but the scheduler's state (``take_utilization``; ``SimDecode.report`` reads that state ahead,
-        ``DecodeScheduler.steady_load_report``). Returns the run in flight, if any."""
+        would take it) and, with ``run.defer_streams``, the host's token times: the steps started and ended by
+        now are accounted (busy time, utilization spans, step inflation, their tokens streamed unless deferred), as
+        ``_start`` and ``end_step`` do step by step, pricing more steps when the clock passed the priced ones.
+        Enough for every reader but the scheduler's state (``take_utilization``; the reports read that state
+        ahead). Returns the run in flight, if any."""
         run = self._run
         if run is None:
             return None
