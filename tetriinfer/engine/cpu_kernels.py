@@ -18,7 +18,7 @@ instruction), for CPUs that have it (AMD Zen 4, Intel Cooper Lake / Sapphire Rap
 `gemm_f32_avx512(x, weight, bias)`: the few-row fp32 matmul on 16-lane FMAs, same layout (1.2-2.1x torch's fp32
 GEMM from 4 to 64 rows on one Zen 4 core, 1.65-3.8x on two).
 Sources: `csrc/decode_kernels.c` (AVX2 + FMA), `csrc/avx512_bf16.c` (the AVX-512 ones, built only where the CPU
-has AVX-512 BF16).
+has AVX-512 BF16), and `csrc/kernel_threads.h`, the threading helpers both include.
 
 The C source is compiled at first use with the system C compiler (`$CC`, else `cc`/`gcc`; about a second)
 into `<cache>/kernels/` (once per source version and flags) and loaded with ctypes -- no torch headers, no build
@@ -58,7 +58,8 @@ from tetriinfer.engine.cpu_info import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernels.c"
+CSRC = Path(__file__).resolve().parent / "csrc"  # the kernel sources and the header they share
+SOURCE = CSRC / "decode_kernels.c"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c11"]
 AVX512_SOURCE = SOURCE.with_name("avx512_bf16.c")
 AVX512_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fPIC", "-shared",
@@ -79,7 +80,8 @@ def _compiler() -> str | None:
 def _library_path(source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
     from tetriinfer.engine.make_model import cache_dir
 
-    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
 
 
@@ -88,7 +90,8 @@ def _build(cc: str, lib: Path, source: Path = SOURCE, cflags: list[str] = CFLAGS
     fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *cflags, "-o", tmp, str(source), *LIBS], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *cflags, "-I", str(CSRC), "-o", tmp, str(source), *LIBS], check=True,
+                       capture_output=True, timeout=120)
         os.replace(tmp, lib)  # atomic: concurrent first uses (one per instance process) never see half a file
     finally:
         if os.path.exists(tmp):

@@ -28,25 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-static inline int team_id(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static inline int team_size(void) {
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
+#include "kernel_threads.h"
 
 /* 1 when built with OpenMP (the kernels split their work over the threads they are given), else 0. */
 int tetri_avx512_openmp(void) {
@@ -55,36 +37,6 @@ int tetri_avx512_openmp(void) {
 #else
     return 0;
 #endif
-}
-
-/* [*lo, *hi): part t of nt of [0, n) in whole units of `align` (the last part also takes a ragged end). */
-static inline void split_range(int64_t n, int64_t align, int nt, int t, int64_t *lo, int64_t *hi) {
-    int64_t units = (n + align - 1) / align, a = units * t / nt, b = units * (t + 1) / nt;
-    *lo = a * align;
-    *hi = b * align < n ? b * align : n;
-}
-
-/* [*lo, *hi): part t of nt of the items [0, B * per_seq), item i belonging to sequence i / per_seq, split so that
- * each part holds about the same number of keys (min(lengths[b], L), plus 16 for an item's fixed cost): contexts
- * of very different lengths leave no thread idle. Depends only on the inputs, so every item is computed by the
- * same code whatever the split. */
-static inline void split_by_keys(const int64_t *lengths, int64_t L, int64_t B, int64_t per_seq, int nt, int t,
-                                 int64_t *lo, int64_t *hi) {
-    int64_t total = 0;
-    for (int64_t b = 0; b < B; b++) total += ((lengths[b] < L ? lengths[b] : L) + 16) * per_seq;
-    const int64_t start = total * t / nt, stop = total * (t + 1) / nt;
-    int64_t cum = 0, first = -1, end = B * per_seq;
-    for (int64_t i = 0; i < B * per_seq; i++) {
-        if (first < 0 && cum >= start) first = i;
-        if (cum >= stop) {
-            end = i;
-            break;
-        }
-        const int64_t b = i / per_seq;
-        cum += (lengths[b] < L ? lengths[b] : L) + 16;
-    }
-    *lo = first < 0 ? end : first;
-    *hi = t == nt - 1 ? B * per_seq : end;
 }
 
 #define TR 6 /* rows of x per pass */
