@@ -25,10 +25,10 @@
     subprocess with its own kernels) on the same prompts and threads, for a before/after ratio in the same run.
 
 Ratios are measured within one run: the machine is shared and noisy (DESIGN.md section 6). Part (a) runs
-the issue's setting unless its estimate exceeds ``--budget-minutes``; then it runs the largest prefix of
+the full setting (64 trace requests, lengths x1) unless its estimate exceeds ``--budget-minutes``; then it runs the largest prefix of
 requests (a multiple of 16) and length scale that fits, and the table says which setting ran.
 
-    python benchmarks/bench_engine.py                       # issue's setting, fp32 + bf16
+    python benchmarks/bench_engine.py                       # the full setting, fp32 + bf16
     python benchmarks/bench_engine.py --dtypes float32 --num-requests 16 --scale 0.25 --vllm
     python benchmarks/bench_engine.py --vs-vllm --model PATH --threads 1,2 --vllm-venv /work/venvs/vllm
     python benchmarks/bench_engine.py --vs-vllm --model PATH --threads 1 --no-vllm --engine-baseline-ref HEAD~4
@@ -319,7 +319,7 @@ def estimate(wl: Workload, res: DtypeResult, decoder_params: int) -> tuple[float
     chunk FLOP/s, decode steps at the batch-1 step time (weights dominate small batches)."""
     rate = res.prefill_flops / res.prefill_s
     prompt_tokens = sum(len(p) for p in wl.prompts)
-    # Factors measured on the issue's setting: a batch-64 decode step over long contexts costs ~20 batch-1
+    # Factors measured on the full setting: a batch-64 decode step over long contexts costs ~20 batch-1
     # steps (K/V gathers), an HF batch-16 step ~12 (its cache grows by concatenation).
     engine = 2 * decoder_params * prompt_tokens / rate + max(wl.outputs) * res.decode_step_s * 20.0
     hf_tokens, hf_steps = 0, 0
@@ -336,7 +336,7 @@ def estimate(wl: Workload, res: DtypeResult, decoder_params: int) -> tuple[float
 
 
 def fit_workload(cfg: BenchConfig, vocab: int, res: DtypeResult, decoder_params: int, budget_s: float) -> Workload:
-    """The issue's setting if its estimate fits ``budget_s``; else the largest fitting request prefix
+    """The full setting if its estimate fits ``budget_s``; else the largest fitting request prefix
     (multiples of 16), then length scale (halving)."""
     n, scale = cfg.num_requests, cfg.scale
     while True:
@@ -803,15 +803,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=cache_dir() / "models" / "small-llama")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--num-requests", type=int, default=64, help="first N trace rows (issue: 64)")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply prompt/output lengths (issue: 1)")
+    ap.add_argument("--num-requests", type=int, default=64, help="first N trace rows (full setting: 64)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply prompt/output lengths (full setting: 1)")
     ap.add_argument("--num-threads", type=int, default=1,
                     help="torch threads for every system (default 1: one engine per core; the 2-core machine "
                          "is shared and OpenMP barriers stall badly under contention)")
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--decode-context", type=int, default=512)
     ap.add_argument("--budget-minutes", type=float, default=22.0,
-                    help="shrink (a) below the issue's setting only when its estimate exceeds this; 0 = never")
+                    help="shrink (a) below the full setting only when its estimate exceeds this; 0 = never")
     ap.add_argument("--vllm", action="store_true", help="also run vLLM CPU (installed into .cache/vllm-venv)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-rounds", type=int, default=4,
