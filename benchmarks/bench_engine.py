@@ -25,8 +25,9 @@
     subprocess with its own kernels) on the same prompts and threads, for a before/after ratio in the same run.
 
 Ratios are measured within one run: the machine is shared and noisy (DESIGN.md section 6). Part (a) runs
-the full setting (64 trace requests, lengths x1) unless its estimate exceeds ``--budget-minutes``; then it runs the largest prefix of
-requests (a multiple of 16) and length scale that fits, and the table says which setting ran.
+the full setting (64 trace requests, lengths x1) unless its estimate exceeds ``--budget-minutes``; then it
+runs the largest prefix of requests (a multiple of 16) and length scale that fits, and the table says which
+setting ran.
 
     python benchmarks/bench_engine.py                       # the full setting, fp32 + bf16
     python benchmarks/bench_engine.py --dtypes float32 --num-requests 16 --scale 0.25 --vllm
@@ -528,14 +529,6 @@ print("ENGINE_RESULT " + json.dumps({"seconds": time.perf_counter() - t0}), flus
 """
 
 
-def extract_engine(ref: str, into: Path) -> Path:
-    """The ``tetriinfer`` package at git ref ``ref`` of this repository, extracted under ``into`` (for PYTHONPATH)."""
-    into.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "tetriinfer"], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into
-
-
 def run_baseline_engine(tree: Path, cfg: VsVllmConfig, dtype: str, threads: int, wl: Workload) -> float:
     """Seconds of the whole workload on the engine extracted at ``tree`` (a subprocess: its own kernels, built from
     its own sources), after a warm-up; nan (with the error printed) if it failed."""
@@ -570,7 +563,10 @@ def run_vs_vllm(cfg: VsVllmConfig) -> list[VsRow]:
     rows: list[VsRow] = []
     tree = None
     if cfg.engine_baseline_ref:
-        tree = extract_engine(cfg.engine_baseline_ref, Path(tempfile.mkdtemp(prefix="engine-baseline-")))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from sim_speed import baseline_tree  # the same git-archive extraction the simulator benchmark uses
+
+        tree = baseline_tree(cfg.engine_baseline_ref, Path(tempfile.mkdtemp(prefix="engine-baseline-")))
     for dtype in cfg.dtypes:
         for threads in cfg.threads:  # engine, its baseline, then vLLM on the same thread count, back to back
             row = VsRow(dtype, threads)

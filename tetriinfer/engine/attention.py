@@ -91,11 +91,7 @@ def _use_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     On AMX CPUs too: on a Sapphire Rapids core, bf16 decode steps of the tiny llama over 400-token contexts took
     7.8 / 11.0 / 16.3 / 20.9 ms with it against 8.4 / 11.6 / 18.5 / 24.2 ms with gather + SDPA at batch 8 / 16 / 32
     / 48, and the same below batch 8 (benchmarks/bench_decode_kernels.py)."""
-    if q.device.type != "cpu" or q.dtype != k_cache.dtype or not k_cache.is_contiguous():
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    return kernels_available() and _threads_ok()
+    return q.dtype == k_cache.dtype and k_cache.is_contiguous() and native_decode_attention(q.dtype, q.device)
 
 
 def _use_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
