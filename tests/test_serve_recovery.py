@@ -49,7 +49,8 @@ def _run_with_kill(srv: ServeProcess, model: str, ids: range, victim: str | None
                 while True:
                     info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
                     inst = {i["id"]: i for i in info["instances"]}[victim]
-                    if (inst[ready] >= 1 and info["requests_in_flight"] >= len(ids) // 2) or time.monotonic() > deadline:
+                    ready_now = inst[ready] >= 1 and info["requests_in_flight"] >= len(ids) // 2
+                    if ready_now or time.monotonic() > deadline:
                         os.kill(inst["pid"], signal.SIGSTOP)
                         info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
                         held = {i["id"]: i for i in info["instances"]}[victim]["streams_held"]

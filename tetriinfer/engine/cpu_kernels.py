@@ -353,8 +353,8 @@ def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     lengths[b] entries are its context's slots); lengths [B] int64 -> [B, H, D] in q's dtype (softmax(q k^T /
     sqrt(D)) v per head, grouped-query, fp32 math); (sequence, head) pairs split over up to ``num_threads`` threads
     (default torch's count; bit-identical for any count). bf16 shapes that `grouped_decode_attn_ok` accepts take the
-    AVX-512 BF16 kernel: (sequence, kv head) pairs, scores from vdpbf16ps (exact products, fp32 sums). Call only when `kernels_available()`; contiguous CPU
-    tensors. Slots must lie in [0, S) (the engine's own block tables; not checked per call)."""
+    AVX-512 BF16 kernel: (sequence, kv head) pairs, scores from vdpbf16ps (exact products, fp32 sums). Call only
+    when `kernels_available()`; contiguous CPU tensors. Slots must lie in [0, S) (the engine's own block tables; not checked per call)."""
     dll = _load()
     assert dll is not None
     b, h, d = q.shape

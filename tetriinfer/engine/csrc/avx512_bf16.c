@@ -514,8 +514,9 @@ static inline void gqa_prefetch(const uint16_t *kc, const uint16_t *vc, int64_t 
 }
 
 /* sc[g][l] = scale * q_g . k_l for the n keys (slots sl) of kv head hk, g < G; q0: query head hk * G's row. */
-static inline void gqa_scores(const uint16_t *q0, const uint16_t *kc, const uint16_t *vc, const int64_t *sl, int64_t n, int64_t row,
-                              int64_t hk, int64_t G, int64_t D, float scale, float *sc, int64_t npad) {
+static inline void gqa_scores(const uint16_t *q0, const uint16_t *kc, const uint16_t *vc, const int64_t *sl,
+                              int64_t n, int64_t row, int64_t hk, int64_t G, int64_t D, float scale, float *sc,
+                              int64_t npad) {
     const int64_t nd = D / 32;
     for (int64_t l = 0; l < n && l < GQA_PREFETCH_KEYS; l++) gqa_prefetch(kc, vc, sl[l], row, hk, D);
     for (int64_t l0 = 0; l0 < n; l0 += 16) {
