@@ -282,6 +282,10 @@ def test_ipv6_instance_addresses(tiny_llama: Path) -> None:
         for n in (12, 5):
             out = _complete(server.base_url, n)
             assert out["status"] == 200 and out["usage"]["completion_tokens"] == n
+        # transfer statistics reach the front end on the instances' own channel, a moment after the tokens
+        deadline = time.monotonic() + 30
+        while server.cluster()["transfers"]["count"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert server.cluster()["transfers"]["count"] >= 2
     finally:
         assert server.stop() == 0

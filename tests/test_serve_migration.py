@@ -99,12 +99,18 @@ def test_an_overloaded_decode_instance_sheds_running_requests_to_an_idle_peer(ti
                        "--migrate-signal", "running", "--migrate-min-gap", "2")
     try:
         model = httpx.get(f"{srv.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        bodies = [_body(model, i, 240) for i in range(8)]
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            results = list(pool.map(lambda b: _complete(srv.base_url, b), bodies))
-        assert [(c, n) for c, n, _ in results] == [(200, 240)] * 8, results
-        cluster = srv.cluster()
-        mig = cluster["migration"]
+        # a planned move reads load reports a moment old: on a loaded host its requests can have ended by the
+        # time the source is asked (a move that carries nothing). Waves of requests until one has moved, each
+        # wave held to the same promises
+        for wave in range(3):
+            bodies = [_body(model, i, 240) for i in range(8 * wave, 8 * wave + 8)]
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                results = list(pool.map(lambda b: _complete(srv.base_url, b), bodies))
+            assert [(c, n) for c, n, _ in results] == [(200, 240)] * 8, results
+            cluster = srv.cluster()
+            mig = cluster["migration"]
+            if mig["moved_by_reason"].get("balance", 0) >= 1:
+                break
         assert mig["moved_by_reason"].get("balance", 0) >= 1, mig
         steps = {i["id"]: i["steps"] for i in cluster["instances"]}
         assert steps["decode-0"] > 0, steps
