@@ -298,13 +298,14 @@ class _ColocatedBase(Detachable):
         return steady_step_output(self.running, self.kv, self._step_id)
 
     def steady_load_report(self, instance_id: str, now: float, utilization: float, state: InstanceState,
-                           done: int, to: int) -> LoadReport:
+                           done: int, to: int, *, step_inflation: float = 0.0) -> LoadReport:
         """``colocated_load_report`` as it will read once ``advance_steady(_, done, to)`` has moved this scheduler
         (now at half step ``done`` of a steady run) to half step ``to``, without moving it: only the blocks the
         rows take (``steady_blocks_taken``) change what it reports (nothing waits inside a run, and it counts one
         token per running request whatever their length)."""
         return colocated_load_report(self, instance_id, now, utilization, state,
-                                     blocks_ahead=steady_blocks_taken(self.running, self.kv, done, to))
+                                     blocks_ahead=steady_blocks_taken(self.running, self.kv, done, to),
+                                     step_inflation=step_inflation)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
@@ -399,12 +400,13 @@ def make_colocated_scheduler(
 
 def colocated_load_report(
     scheduler: _ColocatedBase | LocalScheduler, instance_id: str, now: float, utilization: float = 0.0,
-    state: InstanceState = InstanceState.ACTIVE, *, blocks_ahead: int = 0,
+    state: InstanceState = InstanceState.ACTIVE, *, blocks_ahead: int = 0, step_inflation: float = 0.0,
 ) -> LoadReport:
     """What a colocated instance tells the monitor. It reports the PREFILL role: the global scheduler routes
     new requests to it (least prompt tokens still to prefill first); ``tokens_in_flight`` = prompt tokens still
     to prefill + one per running request. ``blocks_ahead``: blocks counted as used beyond those used now (a
-    steady run's, ``_ColocatedBase.steady_load_report``)."""
+    steady run's, ``_ColocatedBase.steady_load_report``); ``step_inflation``: the instance's
+    (``core.step_inflation``), attached as is (the same report as attaching it with ``replace_fields`` after)."""
     kv = scheduler.kv
     waiting = scheduler.waiting
     free = kv.num_free_blocks - blocks_ahead
@@ -420,4 +422,5 @@ def colocated_load_report(
         block_size=kv.block_size,
         tokens_in_flight=(sum(r.num_uncomputed_tokens for r in waiting) if waiting else 0) + len(scheduler.running),
         utilization=utilization,
+        step_inflation=step_inflation,
     )

@@ -470,14 +470,14 @@ class DecodeScheduler(Detachable):
         return steady_blocks_taken(self.running, self.kv, done, to)
 
     def steady_load_report(self, instance_id: str, now: float, utilization: float, state: InstanceState,
-                           done: int, to: int) -> LoadReport:
+                           done: int, to: int, *, step_inflation: float = 0.0) -> LoadReport:
         """``load_report`` as it will read once ``advance_steady(_, done, to)`` has moved this scheduler (now at
         half step ``done`` of a steady run) to half step ``to``, without moving it: the rows take the blocks
         ``steady_blocks_taken`` counts and hold one more token per step updated; nothing else a report shows
         changes inside a run (no row ends, waits or resumes)."""
         return self._load_report(instance_id, now, utilization, state,
                                  steady_blocks_taken(self.running, self.kv, done, to),
-                                 len(self.running) * (to // 2 - done // 2))
+                                 len(self.running) * (to // 2 - done // 2), step_inflation)
 
     def steady_output(self) -> SchedulerOutput:
         """What ``schedule()`` returned for the steady run's step in flight (after an odd half step)."""
@@ -519,12 +519,14 @@ class DecodeScheduler(Detachable):
     # ---- reporting -----------------------------------------------------------------------
     def load_report(
         self, instance_id: str, now: float, utilization: float = 0.0,
-        state: InstanceState = InstanceState.ACTIVE,
+        state: InstanceState = InstanceState.ACTIVE, *, step_inflation: float = 0.0,
     ) -> LoadReport:
-        return self._load_report(instance_id, now, utilization, state, 0, 0)
+        """``step_inflation``: the instance's (``core.step_inflation``), attached as is (the same report as
+        ``decode_instance_report(report, 0, 0, step_inflation)`` when nothing waits for admission)."""
+        return self._load_report(instance_id, now, utilization, state, 0, 0, step_inflation)
 
     def _load_report(self, instance_id: str, now: float, utilization: float, state: InstanceState,
-                     blocks_ahead: int, tokens_ahead: int) -> LoadReport:
+                     blocks_ahead: int, tokens_ahead: int, step_inflation: float = 0.0) -> LoadReport:
         """``load_report`` with ``blocks_ahead`` more blocks used and ``tokens_ahead`` more tokens held than now."""
         threshold = self.config.heavy_decode_tokens
         heavy = 0
@@ -557,6 +559,7 @@ class DecodeScheduler(Detachable):
             num_light_decodes=len(self._table) - heavy,
             utilization=utilization,
             num_prefill_tokens=prefill_tokens,
+            step_inflation=step_inflation,
         )
 
     def check_invariants(self) -> None:

@@ -139,6 +139,17 @@ def least_loaded(reports: Sequence[LoadReport]) -> LoadReport | None:
     return min(reports, key=load_key) if reports else None
 
 
+def restamped(report: LoadReport, now: float) -> LoadReport:
+    """``report`` as built at ``now`` instead: equal to ``replace_fields(report, time=now)`` (``time`` is not
+    validated, and every other field was when ``report`` was built), without the constructor's call and checks.
+    For a reporter whose every other field is known unchanged (``SimInstance.monitor_report``)."""
+    new = object.__new__(LoadReport)
+    d = new.__dict__
+    d.update(report.__dict__)
+    d["time"] = now
+    return new
+
+
 def prefill_instance_report(report: LoadReport, held: int) -> LoadReport:
     """A prefill scheduler's report for its instance: ``held`` prefilled requests whose KV the instance still
     holds outside the scheduler (staged for transfer, or kept to decode here) count as running. Used by the

@@ -83,6 +83,12 @@ class StepInflation:
         elif any(r.num_output_tokens for r in running):
             self.stall(seconds)
 
+    @property
+    def window_empty(self) -> bool:
+        """Nothing observed (no step, no stall) since the last ``take``: ``take()`` would return 0.0 and change
+        nothing."""
+        return not self._steps and not self._stalled
+
     def take(self) -> float:
         """The window's inflation (see the module docstring); starts a new window."""
         steps, total, stalled = self._steps, self._sum_s, self._stalled

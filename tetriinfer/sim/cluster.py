@@ -491,7 +491,8 @@ class SimCluster:
         c = self.config.cluster
         now = self.loop.now
         self._retire_drained(now)
-        reports = [inst.report(now, inst.take_utilization(c.report_interval_s)) for inst in self.instances.values()]
+        interval = c.report_interval_s
+        reports = [inst.monitor_report(now, interval) for inst in self.instances.values()]
         retiring = self._retiring
         if c.disaggregated:
             observed = [r for r in reports if r.instance_id not in retiring] if retiring else reports

@@ -28,7 +28,6 @@ from tetriinfer.core.colocated_scheduler import (
 )
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
-from tetriinfer.core.frozen import replace_fields
 from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import (
@@ -36,6 +35,7 @@ from tetriinfer.core.load import (
     LoadReport,
     decode_instance_report,
     prefill_instance_report,
+    restamped,
 )
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
@@ -217,9 +217,12 @@ class SimInstance:
     state at every event that can observe them; ``tests/test_sim_steady_runs.py``)."""
 
     role: str = ""
+    inflation: StepInflation | None = None  # roles that measure step inflation set their own
 
     def __init__(self, iid: str, kv: KVCacheManager, cost: CostModel, host: Host, pol: InstancePolicies) -> None:
         self.iid, self.kv, self.cost, self.host, self.pol = iid, kv, cost, host, pol
+        self._quiet_key: tuple[InstanceState, int] | None = None  # ``monitor_report``'s cached idle report
+        self._quiet_report: LoadReport | None = None
         self.state = InstanceState.ACTIVE
         self.stepping = False
         self._start_pending = False
@@ -348,7 +351,7 @@ class SimInstance:
             run.started = b
         run.half_steps = 2 * e + 1 if e < k else 2 * k  # the step in flight scheduled, or the last one updated
         if e > run.ended:  # step ends: as ``end_step`` observes and streams each step
-            inflation = getattr(self, "inflation", None)  # roles that measure step inflation (not a prefill's keeps)
+            inflation = self.inflation  # roles that measure step inflation (not a prefill's keeps)
             if inflation is not None:  # ``observe(rows, costs[s], ones[s])`` for each step s that ended
                 inflation.observe_steps(len(run.request_ids), costs[run.ended:e], run.ones[run.ended:e])
             if not run.defer_streams:
@@ -457,6 +460,33 @@ class SimInstance:
         for fn in pending:
             fn()
         self._start()
+
+    def monitor_report(self, now: float, interval_s: float) -> LoadReport:
+        """``report(now, take_utilization(interval_s))``: what the monitor reads of this instance each pass.
+
+        An idle instance (``is_quiet``: nothing held, queued or waiting, no step running or since the last
+        report, no step inflation observed since) reports zeros for every count, utilization 0.0 and step
+        inflation 0.0, so its report is a function of its id, role, state, the clock and its pool's free blocks
+        alone (``is_empty`` covers everything ``report`` counts; the pool's size and block size never change).
+        The last such report is kept with its ``(state, free blocks)``; while they stay the same, the next
+        report is that one restamped to ``now`` (``core.load.restamped``: equal to building it again). Invariant:
+        the result equals ``report(now, take_utilization(interval_s))`` field for field, and leaves the
+        instance as that would (nothing to take: no span, no inflation window)."""
+        if self.is_quiet():
+            key = (self.state, self.kv.num_free_blocks)
+            if key == self._quiet_key:
+                return restamped(self._quiet_report, now)  # type: ignore[arg-type]
+            rep = self.report(now, self.take_utilization(interval_s))
+            self._quiet_key, self._quiet_report = key, rep
+            return rep
+        return self.report(now, self.take_utilization(interval_s))
+
+    def is_quiet(self) -> bool:
+        """Nothing for a report to count or take: no steady run or step running, no utilization span since the
+        last report, nothing observed for step inflation since, and ``is_empty``."""
+        infl = self.inflation
+        return (self._run is None and not self.stepping and not self._spans
+                and (infl is None or infl.window_empty) and self.is_empty())
 
     def take_utilization(self, interval_s: float) -> float:
         """Busy fraction of the last ``interval_s`` (the report interval) before now, in [0, 1]: each step counts
@@ -666,7 +696,7 @@ class SimDecode(SimInstance):
         self.pending: deque[Handoff] = deque()
         self.local_pending: deque[Request] = deque()  # conditional disaggregation: prefilled here
         self.receiving: set[str] = set()
-        self.inflation = StepInflation()
+        self.inflation: StepInflation = StepInflation()
 
     def steady_scheduler(self) -> DecodeScheduler | None:
         return None if self.pending or self.local_pending else self.scheduler
@@ -744,13 +774,17 @@ class SimDecode(SimInstance):
 
     def report(self, now: float, utilization: float) -> LoadReport:
         run = self._sync_books()
-        if run is None:
-            rep = self.scheduler.load_report(self.iid, now, utilization, self.state)
-        else:  # read ahead: the scheduler moves on at the run's next change or end (``sync``), not per report
-            rep = self.scheduler.steady_load_report(self.iid, now, utilization, self.state, run.done, run.half_steps)
         pending, local = self.pending, self.local_pending
-        if not (pending or local):  # nothing waits for admission (the usual case): the sums below are all 0
-            return decode_instance_report(rep, 0, 0, self.inflation.take(), 0)
+        # Nothing waits for admission (the usual case): ``decode_instance_report(rep, 0, 0, inflation, 0)`` is the
+        # scheduler's report with the inflation attached, which the scheduler builds in one go.
+        infl = 0.0 if pending or local else self.inflation.take()
+        if run is None:
+            rep = self.scheduler.load_report(self.iid, now, utilization, self.state, step_inflation=infl)
+        else:  # read ahead: the scheduler moves on at the run's next change or end (``sync``), not per report
+            rep = self.scheduler.steady_load_report(self.iid, now, utilization, self.state, run.done, run.half_steps,
+                                                    step_inflation=infl)
+        if not (pending or local):
+            return rep
         blocks = self.kv.pool.blocks_for_tokens
         waiting_blocks = (sum(blocks(h.request.num_tokens) for h in pending)
                           + sum(blocks(r.num_prompt_tokens + 1) for r in local))
@@ -770,7 +804,7 @@ class SimColocated(SimInstance):
                                      max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len),
             kv,
         )
-        self.inflation = StepInflation()
+        self.inflation: StepInflation = StepInflation()
 
     def add(self, req: Request) -> None:
         self.interrupt()
@@ -800,9 +834,10 @@ class SimColocated(SimInstance):
 
     def report(self, now: float, utilization: float) -> LoadReport:
         run = self._sync_books()
+        infl = self.inflation.take()
         if run is None:
-            rep = colocated_load_report(self.scheduler, self.iid, now, utilization, self.state)
-        else:  # read ahead, as ``SimDecode.report``
-            rep = self.scheduler.steady_load_report(self.iid, now, utilization, self.state, run.done, run.half_steps)
-        return replace_fields(rep, step_inflation=self.inflation.take())
+            return colocated_load_report(self.scheduler, self.iid, now, utilization, self.state, step_inflation=infl)
+        # read ahead, as ``SimDecode.report``
+        return self.scheduler.steady_load_report(self.iid, now, utilization, self.state, run.done, run.half_steps,
+                                                 step_inflation=infl)
 
