@@ -12,7 +12,8 @@ KV pool from the device memory, the columns' ``serve`` defaults. Sections:
   wall seconds and req/s per column, vs the baseline ref on the same points when given.
 - ``scale``: ``scale:N`` workloads (lengths and gaps drawn from the same trace) at the trace's per-instance
   rate times the instance count: wall time vs requests (``--requests``) at ``--instances-max`` instances, and vs
-  instances (``--instances``) at ``--requests-fixed`` requests; per-request cost and memory peak.
+  instances (``--instances``) at ``--requests-fixed`` requests; per-request cost and memory peak (and the
+  baseline's per-request cost on the same points, each measured right after this tree's, when given).
 
 Prints tables (and ratios against the baseline measured in the same run), writes JSON and a PNG plot:
 
@@ -221,12 +222,14 @@ def main() -> None:
         for mode in modes:
             for n in [int(x) for x in args.requests.split(",") if x]:
                 k = args.instances_max
-                jobs.append(("requests", {"kind": "column", "workload": f"scale:{n}", "mode": mode, "instances": k,
-                                          "prefill": k // 2, "n": n, "rate": trace_rate * k / 16}, False))
+                pt = {"kind": "column", "workload": f"scale:{n}", "mode": mode, "instances": k, "prefill": k // 2,
+                      "n": n, "rate": trace_rate * k / 16}
+                jobs += [("requests", pt, False)] + ([("requests", pt, True)] if with_base else [])
             for k in [int(x) for x in args.instances.split(",") if x]:
                 n = args.requests_fixed
-                jobs.append(("instances", {"kind": "column", "workload": f"scale:{n}", "mode": mode, "instances": k,
-                                           "prefill": k // 2, "n": n, "rate": trace_rate * k / 16}, False))
+                pt = {"kind": "column", "workload": f"scale:{n}", "mode": mode, "instances": k, "prefill": k // 2,
+                      "n": n, "rate": trace_rate * k / 16}
+                jobs += [("instances", pt, False)] + ([("instances", pt, True)] if with_base else [])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
         base = (Path(args.baseline_tree) if args.baseline_tree else baseline_tree(args.baseline_ref, Path(tmp))
@@ -266,15 +269,26 @@ def main() -> None:
         print(table(rows, ["column", "baseline requests", "baseline CPU s", "baseline req/CPU-s", "requests", "CPU s",
                            "req/CPU-s", "speed-up", "wall s", "peak MB", "note"]) + "\n")
     for section, label in (("requests", "requests"), ("instances", "instances")):
-        pts = [r for s, r, _ in results if s == section]
+        pts = [r for s, r, b in results if s == section and not b]
         if not pts:
             continue
-        rows = [[r["mode"], str(r["n"]), str(r["instances"]), fmt(r.get("rate"), ".0f"), fmt(r.get("cpu_s")),
-                 fmt(r.get("req_per_cpu_s"), ".0f"), fmt(r["cpu_s"] / r["n"] * 1e6 if r.get("cpu_s") else None, ".0f"),
-                 fmt(r.get("sim_s")), fmt(r.get("peak_rss_mb"), ".0f"), r.get("error", "")] for r in pts]
+        olds = {(r["mode"], r["n"], r["instances"]): r for s, r, b in results if s == section and b}
+
+        def us(r: dict[str, Any]) -> float | None:
+            return r["cpu_s"] / r["n"] * 1e6 if r.get("cpu_s") else None
+
+        rows = []
+        for r in pts:
+            old = olds.get((r["mode"], r["n"], r["instances"]), {})
+            ratio = us(old) / us(r) if us(old) and us(r) else None  # type: ignore[operator]
+            rows.append([r["mode"], str(r["n"]), str(r["instances"]), fmt(r.get("rate"), ".0f"), fmt(r.get("cpu_s")),
+                         fmt(r.get("req_per_cpu_s"), ".0f"), fmt(us(r), ".0f")]
+                        + ([fmt(us(old), ".0f"), fmt(ratio, ".2f") + "x" if ratio else "-"] if olds else [])
+                        + [fmt(r.get("sim_s")), fmt(r.get("peak_rss_mb"), ".0f"), r.get("error", "") or old.get("error", "")])
         print(f"scaling vs {label} (scale:N workload at the trace's per-instance rate)\n")
-        print(table(rows, ["column", "requests", "instances", "req/s offered", "CPU s", "req/CPU-s",
-                           "CPU us/request", "wall s", "peak MB", "note"]) + "\n")
+        print(table(rows, ["column", "requests", "instances", "req/s offered", "CPU s", "req/CPU-s", "CPU us/request"]
+                    + (["baseline CPU us/request", "speed-up"] if olds else [])
+                    + ["wall s", "peak MB", "note"]) + "\n")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -293,8 +307,8 @@ def plot(results: list[tuple[str, dict[str, Any], bool]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, section, xkey in ((axes[0], "requests", "n"), (axes[1], "instances", "instances")):
         for mode in sorted({r["mode"] for s, r, _ in results if s == section}):
-            pts = sorted((r[xkey], r["cpu_s"]) for s, r, _ in results if s == section and r["mode"] == mode
-                         and r.get("cpu_s"))
+            pts = sorted((r[xkey], r["cpu_s"]) for s, r, b in results if s == section and r["mode"] == mode
+                         and r.get("cpu_s") and not b)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         ax.set_xscale("log")
