@@ -147,6 +147,8 @@ def _load() -> ctypes.CDLL | None:
         attns = (dll.tetri_decode_attn_bf16, dll.tetri_decode_attn_f32)
         norms = (dll.tetri_rmsnorm_bf16, dll.tetri_rmsnorm_f32)
         ropes = (dll.tetri_rope_bf16, dll.tetri_rope_f32)
+        fused = dll.tetri_llama_decode_layers
+        silus = (dll.tetri_silu_mul_bf16, dll.tetri_silu_mul_f32)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("bf16 CPU kernel unavailable (%s %s): torch's kernels are used", e,
@@ -164,6 +166,16 @@ def _load() -> ctypes.CDLL | None:
     for fn in attns:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
         fn.restype = ctypes.c_int
+    for fn in silus:
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3  # gu, act, M, inter, nthreads
+        fn.restype = ctypes.c_int
+    fused.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6
+                      + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float, ctypes.c_int64, ctypes.c_void_p,
+                                               ctypes.c_int64])
+    fused.restype = ctypes.c_int
+    dll.tetri_llama_decode_scratch.argtypes = [ctypes.c_int64] * 6
+    dll.tetri_llama_decode_scratch.restype = ctypes.c_int64
+    dll.tetri_llama_decode_layer_words.restype = ctypes.c_int64
     dll.threaded = _threaded(dll, "tetri_openmp")
     return dll
 
@@ -338,6 +350,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads: int
     return out
 
 
+def silu_mul(gu: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """[M, 2 * inter] ([gate | up], the fused gate_up projection) -> [M, inter] = ``F.silu(gate) * up`` with torch's
+    per-op rounding (fp32 math, each op rounded to the dtype; exp within about one fp32 ulp of torch's), fp32 or bf16,
+    contiguous; rows split over up to ``num_threads`` threads when there are enough (bit-identical for any count).
+    Call only when `kernels_available()`."""
+    dll = _load()
+    assert dll is not None
+    if gu.dim() != 2 or gu.shape[1] % 2 or not gu.is_contiguous() or gu.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"silu_mul: gu {tuple(gu.shape)} {gu.dtype}")
+    m, inter = gu.shape[0], gu.shape[1] // 2
+    act = torch.empty((m, inter), dtype=gu.dtype)
+    fn = dll.tetri_silu_mul_f32 if gu.dtype == torch.float32 else dll.tetri_silu_mul_bf16
+    fn(gu.data_ptr(), act.data_ptr(), m, inter, _threads(dll, num_threads))
+    return act
+
+
 GQA_DECODE_MAX_GROUP = 8  # query heads per kv head the grouped bf16 decode kernel takes (its accumulators)
 
 
@@ -406,3 +434,70 @@ def prefill_attn_bf16(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tenso
     if rc != 0:
         raise MemoryError("prefill_attn_bf16: out of memory for its scratch buffers")
     return out
+
+
+# ---- the fused decode step (`tetriinfer.engine.fused_decode`) ------------------------------------------------------
+
+def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def matmul_address(name: str, dtype: torch.dtype) -> int:
+    """The C entry point of the native matmul ``name`` ("gemv", "gemm_bf16_avx512", "gemm_f32_avx512", as
+    `Linear.native_kernel` names them) for ``dtype``: all share tetri_gemv_*'s signature."""
+    if name == "gemv":
+        dll = _load()
+        assert dll is not None
+        return _address(dll.tetri_gemv_f32 if dtype == torch.float32 else dll.tetri_gemv_bf16)
+    avx = _load_avx512()
+    assert avx is not None
+    if name == "gemm_bf16_avx512":
+        return _address(avx.tetri_gemm_bf16_avx512)
+    if name == "gemm_f32_avx512":
+        return _address(avx.tetri_gemm_f32_avx512)
+    raise KeyError(name)
+
+
+def decode_attn_address(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> int:
+    """The C entry point `decode_attn` calls for queries of ``dtype`` and this head shape."""
+    dll = _load()
+    assert dll is not None
+    if dtype == torch.float32:
+        return _address(dll.tetri_decode_attn_f32)
+    if grouped_decode_attn_ok(heads, kv_heads, head_dim):
+        return _address(_load_avx512().tetri_decode_attn_gqa_bf16)  # type: ignore[union-attr]
+    return _address(dll.tetri_decode_attn_bf16)
+
+
+def llama_decode_scratch(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> int:
+    """Elements of scratch (in the model dtype) `llama_decode_layers` needs for ``rows`` tokens."""
+    dll = _load()
+    assert dll is not None
+    return int(dll.tetri_llama_decode_scratch(rows, hidden, heads, kv_heads, head_dim, inter))
+
+
+def llama_decode_layers(x: torch.Tensor, table: torch.Tensor, num_layers: int, fns: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, slot_mapping: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                        cfg: object, scratch: torch.Tensor, num_threads: int | None = None) -> None:
+    """Every decoder layer of a decode-only step in one call (``tetri_llama_decode_layers``), x [B, hidden] updated
+    in place. ``table``: num_layers x 12 int64 addresses (weights, biases or 0, K and V caches; see the C enum);
+    ``fns``: [qkv, o, gate_up, down, attention] kernel addresses; cos, sin [B, head_dim] (any [B, 1, D] view);
+    slot_mapping [B], slots [B, L], lengths [B] int64; ``cfg`` a `ModelConfig`. Call only with tensors the engine
+    built for this step (`FusedDecode.applies`): nothing here is checked per element."""
+    dll = _load()
+    assert dll is not None
+    b, hidden = x.shape
+    c = cfg
+    if (not x.is_contiguous() or table.dtype != torch.int64 or table.numel() != num_layers * 12
+            or fns.numel() != 5 or slots.shape[0] != b or lengths.shape != (b,) or slot_mapping.shape != (b,)
+            or scratch.dtype != x.dtype or cos.dtype != x.dtype or cos.numel() != b * c.head_dim):  # type: ignore[attr-defined]
+        raise ValueError(f"llama_decode_layers: x {tuple(x.shape)} {x.dtype}, table {tuple(table.shape)}, "
+                         f"slots {tuple(slots.shape)}, lengths {tuple(lengths.shape)}")
+    nthreads = (torch.get_num_threads() if num_threads is None else num_threads) if kernels_threaded() else 1
+    rc = dll.tetri_llama_decode_layers(
+        x.data_ptr(), table.data_ptr(), num_layers, fns.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        slot_mapping.data_ptr(), slots.data_ptr(), lengths.data_ptr(), slots.shape[1], b, hidden,
+        c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.norm_eps,  # type: ignore[attr-defined]
+        c.head_dim ** -0.5, int(x.dtype == torch.float32), scratch.data_ptr(), nthreads)  # type: ignore[attr-defined]
+    if rc != 0:
+        raise MemoryError("llama_decode_layers: a kernel ran out of memory for its scratch buffers")

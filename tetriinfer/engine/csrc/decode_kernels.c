@@ -575,3 +575,145 @@ int tetri_rope_bf16(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, u
     }
     return 0;
 }
+
+/* ---- a whole decode step of a Llama-family decoder in one call --------------------------------------------------
+ *
+ * tetri_llama_decode_layers runs every decoder layer of a decode-only step (B tokens, each one new token of its
+ * own sequence) on the kernels above and those it is handed, with no Python between them: per layer
+ *   h = rmsnorm(x);  qkv = h W_qkv^T (+ b);  q, k = rope(qkv.q), rope(qkv.k);  K/V of the new tokens -> their slots;
+ *   a = attention(q, caches);  x = x + a W_o^T (+ b);  h = rmsnorm(x);  gu = h W_gu^T (+ b);
+ *   x = x + (silu(gu.gate) * gu.up) W_down^T (+ b)
+ * with torch's per-op rounding in the model dtype (each op's output rounded to bf16 in bf16 models). The matmuls
+ * and the attention are the same kernels, with the same arguments, that the per-op path picks for this step, so
+ * their outputs are bit-identical to it; RMSNorm and RoPE are the fused kernels above; the residual adds and
+ * silu(gate) * up are computed here as torch computes them (fp32 math, each op rounded to the dtype), silu with
+ * libm's expf where torch uses its vectorized exp (at most one fp32 ulp apart).
+ *
+ * x [B, hidden] (in: the embeddings; out: the last layer's output); lw: num_layers x LW_COUNT addresses (below;
+ * 0 for an absent bias); fns: the matmul kernels for qkv, o, gate_up and down and the attention kernel (addresses
+ * of functions with the signatures of tetri_gemv_* and tetri_decode_attn_*); cos, sin [B, D]; slot_mapping [B]:
+ * where each new token's K/V goes; slots [B, L], lengths [B]: each row's context (the new token included); scale:
+ * the attention's 1/sqrt(D) as the per-op path passes it; scratch: at least tetri_llama_decode_scratch(...) elements of the dtype. Returns 0, or the first kernel's
+ * nonzero code. */
+enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_K_CACHE,
+       LW_V_CACHE, LW_COUNT };
+
+typedef int (*tetri_matmul_fn)(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
+                               int64_t K, int64_t nthreads);
+typedef int (*tetri_attn_fn)(const void *q, const void *k_cache, const void *v_cache, const int64_t *slots,
+                             const int64_t *lengths, void *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                             int64_t L, float scale, int64_t nthreads);
+
+int64_t tetri_llama_decode_layer_words(void) { return LW_COUNT; }
+
+int64_t tetri_llama_decode_scratch(int64_t B, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t inter) {
+    int64_t qkv = (H + 2 * Hkv) * D;
+    return B * (hidden + qkv + H * D + Hkv * D + H * D + hidden + 2 * inter + inter);
+}
+
+/* x[i] = x[i] + d[i], rounded to the dtype (torch: both operands widened to fp32, one rounding). */
+static void add_into(void *x, const void *d, int64_t n, int F32) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(x, i, rnd8(_mm256_add_ps(kv8(x, i, F32), kv8(d, i, F32)), F32), F32);
+    for (; i < n; i++) {
+        float v = rnd(kv1(x, i, F32) + kv1(d, i, F32), F32);
+        if (F32)
+            ((float *)x)[i] = v;
+        else
+            ((uint16_t *)x)[i] = f32_to_bf16(v);
+    }
+}
+
+/* act[b, i] = silu(gu[b, i]) * gu[b, inter + i], each op rounded to the dtype as torch's F.silu then mul (silu
+ * = g / (1 + exp(-g)) in fp32, exp from exp8 / expf: torch's own exp differs by at most about one fp32 ulp). */
+static void silu_mul(const void *gu, void *act, int64_t B, int64_t inter, int F32) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t gi = b * 2 * inter, ui = gi + inter, ai = b * inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            __m256 g = kv8(gu, gi + i, F32), u = kv8(gu, ui + i, F32);
+            __m256 s = rnd8(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign)))), F32);
+            store8(act, ai + i, rnd8(_mm256_mul_ps(s, u), F32), F32);
+        }
+        for (; i < inter; i++) {
+            float g = kv1(gu, gi + i, F32), u = kv1(gu, ui + i, F32);
+            float v = rnd(rnd(g / (1.0f + expf(-g)), F32) * u, F32);
+            if (F32)
+                ((float *)act)[ai + i] = v;
+            else
+                ((uint16_t *)act)[ai + i] = f32_to_bf16(v);
+        }
+    }
+}
+
+/* silu(gate) * up of M rows of [gate | up] (2 * inter each) -> [M, inter], split over rows (see silu_mul). */
+static void silu_mul_rows(const void *gu, void *act, int64_t M, int64_t inter, int F32, int64_t nthreads) {
+    int nt = team_for(nthreads, M * inter, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        const int64_t esz = F32 ? 4 : 2;
+        if (hi > lo) silu_mul((const char *)gu + lo * 2 * inter * esz, (char *)act + lo * inter * esz, hi - lo, inter, F32);
+    }
+}
+
+int tetri_silu_mul_f32(const float *gu, float *act, int64_t M, int64_t inter, int64_t nthreads) {
+    silu_mul_rows(gu, act, M, inter, 1, nthreads);
+    return 0;
+}
+
+int tetri_silu_mul_bf16(const uint16_t *gu, uint16_t *act, int64_t M, int64_t inter, int64_t nthreads) {
+    silu_mul_rows(gu, act, M, inter, 0, nthreads);
+    return 0;
+}
+
+int tetri_llama_decode_layers(void *x, const int64_t *lw, int64_t num_layers, const int64_t *fns, const void *cs,
+                              const void *sn, const int64_t *slot_mapping, const int64_t *slots,
+                              const int64_t *lengths, int64_t L, int64_t B, int64_t hidden, int64_t H, int64_t Hkv,
+                              int64_t D, int64_t inter, float eps, float scale, int64_t f32, void *scratch,
+                              int64_t nthreads) {
+    const int F32 = f32 != 0;
+    const int64_t esz = F32 ? 4 : 2, qs = H * D, kvs = Hkv * D, qkv_n = qs + 2 * kvs;
+    char *h = (char *)scratch, *qkv = h + B * hidden * esz, *qr = qkv + B * qkv_n * esz, *kr = qr + B * qs * esz,
+         *ao = kr + B * kvs * esz, *o = ao + B * qs * esz, *gu = o + B * hidden * esz, *act = gu + B * 2 * inter * esz;
+    tetri_matmul_fn mm_qkv = (tetri_matmul_fn)(intptr_t)fns[0], mm_o = (tetri_matmul_fn)(intptr_t)fns[1],
+                    mm_gu = (tetri_matmul_fn)(intptr_t)fns[2], mm_down = (tetri_matmul_fn)(intptr_t)fns[3];
+    tetri_attn_fn attn = (tetri_attn_fn)(intptr_t)fns[4];
+    int rc;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *w = lw + l * LW_COUNT;
+#define P(i) ((const void *)(intptr_t)w[i])
+        if (F32)
+            tetri_rmsnorm_f32(x, P(LW_IN_NORM), (float *)h, B, hidden, eps, nthreads);
+        else
+            tetri_rmsnorm_bf16(x, P(LW_IN_NORM), (uint16_t *)h, B, hidden, eps, nthreads);
+        if ((rc = mm_qkv(h, P(LW_QKV), P(LW_QKV_B), qkv, B, qkv_n, hidden, nthreads))) return rc;
+        if (F32) {
+            tetri_rope_f32((const float *)qkv, cs, sn, (float *)qr, B, H, D, qkv_n, nthreads);
+            tetri_rope_f32((const float *)qkv + qs, cs, sn, (float *)kr, B, Hkv, D, qkv_n, nthreads);
+        } else {
+            tetri_rope_bf16((const uint16_t *)qkv, cs, sn, (uint16_t *)qr, B, H, D, qkv_n, nthreads);
+            tetri_rope_bf16((const uint16_t *)qkv + qs, cs, sn, (uint16_t *)kr, B, Hkv, D, qkv_n, nthreads);
+        }
+        char *kc = (char *)(intptr_t)w[LW_K_CACHE], *vc = (char *)(intptr_t)w[LW_V_CACHE];
+        for (int64_t b = 0; b < B; b++) { /* the new tokens' K (rotated) and V into their slots */
+            memcpy(kc + slot_mapping[b] * kvs * esz, kr + b * kvs * esz, kvs * esz);
+            memcpy(vc + slot_mapping[b] * kvs * esz, qkv + (b * qkv_n + qs + kvs) * esz, kvs * esz);
+        }
+        if ((rc = attn(qr, kc, vc, slots, lengths, ao, B, H, Hkv, D, L, scale, nthreads))) return rc;
+        if ((rc = mm_o(ao, P(LW_O), P(LW_O_B), o, B, hidden, qs, nthreads))) return rc;
+        add_into(x, o, B * hidden, F32);
+        if (F32)
+            tetri_rmsnorm_f32(x, P(LW_POST_NORM), (float *)h, B, hidden, eps, nthreads);
+        else
+            tetri_rmsnorm_bf16(x, P(LW_POST_NORM), (uint16_t *)h, B, hidden, eps, nthreads);
+        if ((rc = mm_gu(h, P(LW_GU), P(LW_GU_B), gu, B, 2 * inter, hidden, nthreads))) return rc;
+        silu_mul_rows(gu, act, B, inter, F32, nthreads);
+        if ((rc = mm_down(act, P(LW_DOWN), P(LW_DOWN_B), o, B, hidden, inter, nthreads))) return rc;
+        add_into(x, o, B * hidden, F32);
+#undef P
+    }
+    return 0;
+}

@@ -91,24 +91,34 @@ class Linear(nn.Linear):
             flat = x.reshape(-1, x.shape[-1])
             return packed_linear(flat, self.packed_weight, self.bias).reshape(*x.shape[:-1], -1)
         if x.device.type == "cpu" and x.dim() == 2:
-            if x.dtype == torch.float32:
-                rows = x.shape[0]
-                if rows <= f32_native_matmul_max_rows() and use_gemv(x, self.weight):
-                    if rows > 1 and avx512_bf16_available():
-                        return gemm_f32_avx512(x.contiguous(), self.weight, self.bias)
-                    return gemv(x.contiguous(), self.weight, self.bias)
-            elif not cpu_has_native(x.dtype):
-                if x.shape[0] >= UPCAST_MIN_ROWS:
-                    bias = None if self.bias is None else self.bias.float()
-                    return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-                if use_gemv(x, self.weight):
-                    return gemv(x.contiguous(), self.weight, self.bias)
-            elif (x.dtype == torch.bfloat16 and x.shape[0] <= bf16_native_matmul_max_rows()
-                  and use_gemv(x, self.weight)):
-                if avx512_bf16_available():
-                    return gemm_bf16_avx512(x.contiguous(), self.weight, self.bias)
+            kernel = self.native_kernel(x)
+            if kernel == "gemm_bf16_avx512":  # names looked up per call: tests wrap them
+                return gemm_bf16_avx512(x.contiguous(), self.weight, self.bias)
+            if kernel == "gemm_f32_avx512":
+                return gemm_f32_avx512(x.contiguous(), self.weight, self.bias)
+            if kernel == "gemv":
                 return gemv(x.contiguous(), self.weight, self.bias)
+            if x.dtype != torch.float32 and not cpu_has_native(x.dtype) and x.shape[0] >= UPCAST_MIN_ROWS:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def native_kernel(self, x: torch.Tensor) -> str | None:
+        """The native matmul ("gemv", "gemm_bf16_avx512" or "gemm_f32_avx512", the `cpu_kernels` function) this layer runs on the CPU activation ``x`` [T, in], or
+        None for torch's. The one routing decision: `forward` and the fused decode step
+        (`tetriinfer.engine.fused_decode`) both follow it."""
+        if self.packed_weight is not None:
+            return None
+        rows = x.shape[0]
+        if x.dtype == torch.float32:
+            if rows <= f32_native_matmul_max_rows() and use_gemv(x, self.weight):
+                return "gemm_f32_avx512" if rows > 1 and avx512_bf16_available() else "gemv"
+        elif not cpu_has_native(x.dtype):
+            if rows < UPCAST_MIN_ROWS and use_gemv(x, self.weight):
+                return "gemv"
+        elif x.dtype == torch.bfloat16 and rows <= bf16_native_matmul_max_rows() and use_gemv(x, self.weight):
+            return "gemm_bf16_avx512" if avx512_bf16_available() else "gemv"
+        return None
 
 
 def f32_native_matmul_max_rows() -> int:

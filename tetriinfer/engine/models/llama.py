@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tetriinfer.engine import cpu_kernels
 from tetriinfer.engine.attention import AttentionMetadata, paged_attention
+from tetriinfer.engine.fused_decode import FusedDecode
 from tetriinfer.engine.model_config import ModelConfig
-from tetriinfer.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from tetriinfer.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, use_fused
 
 
 class LlamaAttention(nn.Module):
@@ -47,7 +49,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, inter] each
+        gu = self.gate_up_proj(x)  # [T, 2 * inter]
+        if gu.dim() == 2 and gu.is_contiguous() and use_fused(gu):  # decode: one native call, torch's rounding
+            return self.down_proj(cpu_kernels.silu_mul(gu))
+        gate, up = gu.split(self.inter, dim=-1)  # [T, inter] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -75,6 +80,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.fused_decode = FusedDecode(self)  # the layer stack of small-batch decode steps as one native call
 
     def forward(
         self,
@@ -85,6 +91,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if x.device.type == "cpu" and self.fused_decode.applies(x, kv_caches, meta):
+            return self.norm(self.fused_decode.run(x, cos, sin, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
