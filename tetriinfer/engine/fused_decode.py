@@ -14,9 +14,8 @@ and usable at this thread count, every step row a decode (one new token after a 
 in batch order, no padding), every matmul of the layer stack routed to a native kernel at this row count, and
 ``TETRIINFER_FUSED_DECODE`` not set to 0. Otherwise the model runs its per-op path.
 
-Invariants: reads the weights and caches in place and never keeps a tensor it was handed between calls except the
-layer pointer table, which is rebuilt when any weight or cache tensor it names has moved (a fingerprint of their
-addresses); the scratch buffer is owned here, one per (rows, dtype).
+Invariants: reads the weights and caches in place; keeps only the layer pointer table (their addresses, rebuilt when
+the caches list or a layer's weights are replaced) and one scratch buffer per (rows, dtype), owned here.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ class FusedDecode:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._table: torch.Tensor | None = None  # [num_layers * LAYER_WORDS] int64 addresses
-        self._table_key: tuple[int, ...] | None = None
+        self._table_key: tuple[int, int, int, int] | None = None
         self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._fns: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
@@ -82,19 +81,22 @@ class FusedDecode:
         return fns
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The layer pointer table, rebuilt when the caches list or the first or last layer's qkv weight changed
+        (weights are loaded, converted or packed before serving; a reload replaces them all)."""
+        first, last = self.model.layers[0].self_attn.qkv_proj.weight, self.model.layers[-1].self_attn.qkv_proj.weight
+        key = (id(kv_caches), kv_caches[0][0].data_ptr(), first.data_ptr(), last.data_ptr())
+        if key == self._table_key and self._table is not None:
+            return self._table
         tensors: list[torch.Tensor | None] = []
         for layer, (k, v) in zip(self.model.layers, kv_caches, strict=True):
             a, m = layer.self_attn, layer.mlp
             tensors += [layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
                         a.o_proj.bias, layer.post_attention_layernorm.weight, m.gate_up_proj.weight,
                         m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias, k, v]
-        addrs = tuple(0 if p is None else p.data_ptr() for p in tensors)
-        if addrs != self._table_key:
-            if not all(p is None or p.is_contiguous() for p in tensors):
-                raise ValueError("fused decode: a weight or cache tensor is not contiguous")
-            self._table = torch.tensor(addrs, dtype=torch.int64)
-            self._table_key = addrs
-        assert self._table is not None
+        if not all(p is None or p.is_contiguous() for p in tensors):
+            raise ValueError("fused decode: a weight or cache tensor is not contiguous")
+        self._table = torch.tensor([0 if p is None else p.data_ptr() for p in tensors], dtype=torch.int64)
+        self._table_key = key
         return self._table
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
