@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tetriinfer.engine.huge_pages import huge_page_buffer, huge_pages_available
 from tetriinfer.engine.weight_files import weight_files
 
 log = logging.getLogger(__name__)
@@ -359,10 +360,16 @@ def load_fast(model: nn.Module, ckpt_dir: str | Path, device: str = "cpu", shm: 
         shm = False
     if shm and device == "cpu":
         buffer, tier = _shm_buffer(ckpt, index, readers)
+        model.shared_weight_mapping = True  # one copy for every instance of the host: never moved to private memory
     else:
         tier = "disk"
         pin = device.startswith("cuda") and torch.cuda.is_available()
-        buffer = torch.empty(index.total_bytes, dtype=torch.uint8, pin_memory=pin)
+        if device == "cpu":  # the weights stay in this buffer: on huge pages, as `move_weights_to_huge_pages` puts them
+            buffer = huge_page_buffer(index.total_bytes)
+            if huge_pages_available():
+                model.huge_page_ranges = [(buffer.data_ptr(), buffer.data_ptr() + index.total_bytes)]
+        else:
+            buffer = torch.empty(index.total_bytes, dtype=torch.uint8, pin_memory=pin)
         read_into(ckpt, index, buffer, readers)
         if device != "cpu":
             buffer = buffer.to(device, non_blocking=pin)

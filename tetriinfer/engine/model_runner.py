@@ -143,7 +143,12 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         logprobs: dict[str, dict[int, float]] = {}
         sample_segs = [s for s in out.segments if s.sample]
-        if sample_segs:
+        if sample_segs and self.logits_sink is None and all(map(Sampler.argmax_only, sample_segs)):
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32 (torch's bf16 argmax is 4x slower)
+            for seg, tok in zip(sample_segs, logits.argmax(dim=-1).tolist(), strict=True):
+                sampled[seg.request_id] = tok
+        elif sample_segs:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V] fp32
             if self.logits_sink is not None:

@@ -44,6 +44,16 @@ class Sampler:
             self._generators[seg.request_id] = gen
         return gen
 
+    @staticmethod
+    def argmax_only(seg: ScheduledSegment) -> bool:
+        """Whether the segment's token is the plain argmax of its logits: greedy, no logprobs, nothing banned now
+        (min_tokens reached, or nothing to ban). A step whose rows are all such needs none of `sample`'s
+        bookkeeping (no copy of the greedy rows' logits): one argmax over the logits gives its tokens."""
+        p = seg.sampling_params
+        return p.greedy and p.logprobs is None and (
+            seg.num_output_tokens >= p.min_tokens
+            or not (p.stop_token_ids or (seg.eos_token_id is not None and not p.ignore_eos)))
+
     def sample(
         self, logits: torch.Tensor, segs: list[ScheduledSegment]
     ) -> tuple[list[int], list[dict[int, float] | None]]:

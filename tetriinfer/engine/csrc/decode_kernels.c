@@ -431,66 +431,7 @@ int tetri_decode_attn_f32(const float *q, const float *k_cache, const float *v_c
 
 /* ---- small per-token ops of a decode step, fused (each replaces 3-6 torch ops of a few microseconds) ---------- */
 
-/* RMSNorm of M rows of N (fp32 or bf16, as torch computes `w * rms_norm(x.float()).to(dtype)`):
- * t = x * 1/sqrt(mean(x^2) + eps) in fp32, rounded to the dtype, then y = w * t rounded to the dtype.
- * Only the order of the sum of squares differs from torch. Returns 0. */
-static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, const void *w, void *y, int64_t lo,
-                                                                int64_t hi, int64_t N, float eps, int F32) {
-    int64_t esz = F32 ? 4 : 2;
-    for (int64_t m = lo; m < hi; m++) {
-        const char *xr = (const char *)x + m * N * esz;
-        __m256 acc = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= N; k += 8) {
-            __m256 v = kv8(xr, k, F32);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum(acc);
-        for (; k < N; k++) ss += kv1(xr, k, F32) * kv1(xr, k, F32);
-        float inv = 1.0f / sqrtf(ss / (float)N + eps);
-        for (k = 0; k < N; k++) {
-            float t = kv1(xr, k, F32) * inv;
-            if (F32) {
-                ((float *)y)[m * N + k] = ((const float *)w)[k] * t;
-            } else {
-                float tb = bf16_to_f32(f32_to_bf16(t));
-                ((uint16_t *)y)[m * N + k] = f32_to_bf16(bf16_to_f32(((const uint16_t *)w)[k]) * tb);
-            }
-        }
-    }
-}
-
-/* Elements per thread below which the small per-token ops (RMSNorm, RoPE) are not split. */
-#define MIN_ELEMS_PER_THREAD 4096
-
-int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps, int64_t nthreads) {
-    int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        int64_t lo, hi;
-        split_range(M, 1, team_size(), team_id(), &lo, &hi);
-        rmsnorm_rows(x, w, y, lo, hi, N, eps, 1);
-    }
-    return 0;
-}
-
-int tetri_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, float eps,
-                       int64_t nthreads) {
-    int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        int64_t lo, hi;
-        split_range(M, 1, team_size(), team_id(), &lo, &hi);
-        rmsnorm_rows(x, w, y, lo, hi, N, eps, 0);
-    }
-    return 0;
-}
-
-/* Rotate-half RoPE (HF Llama), as torch computes `x * cos + cat(-x2, x1) * sin` in the dtype: each product and the
- * sum rounded to the dtype (fp32: no fused multiply-add, bit-identical to torch; bf16: the products of two bf16
- * values are exact in fp32, then rounded as torch rounds).
- * x: T tokens x H heads x D, token stride xs elements (a column slice of the fused qkv output), head stride D;
- * cos, sin: [T, D] contiguous; out: [T, H, D] contiguous. Returns 0. */
+/* Rounding of fp32 lanes to the dtype (bf16: to nearest even, as torch; fp32: as is) and stores of rounded lanes. */
 static inline __attribute__((always_inline)) float rnd(float v, int F32) {
     return F32 ? v : bf16_to_f32(f32_to_bf16(v));
 }
@@ -518,6 +459,74 @@ static inline __attribute__((always_inline)) void store8(void *p, int64_t i, __m
     }
 }
 
+/* RMSNorm of M rows of N (fp32 or bf16, as torch computes `w * rms_norm(x.float()).to(dtype)`):
+ * t = x * 1/sqrt(mean(x^2) + eps) in fp32, rounded to the dtype, then y = w * t rounded to the dtype.
+ * Only the order of the sum of squares differs from torch. Returns 0. */
+static inline __attribute__((always_inline)) void rmsnorm_rows(const void *x, const void *w, void *y, int64_t lo,
+                                                                int64_t hi, int64_t N, float eps, int F32) {
+    int64_t esz = F32 ? 4 : 2;
+    for (int64_t m = lo; m < hi; m++) {
+        const char *xr = (const char *)x + m * N * esz;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= N; k += 8) {
+            __m256 v = kv8(xr, k, F32);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (; k < N; k++) ss += kv1(xr, k, F32) * kv1(xr, k, F32);
+        float inv = 1.0f / sqrtf(ss / (float)N + eps);
+        const __m256 inv8 = _mm256_set1_ps(inv);
+        char *yr = (char *)y + m * N * esz;
+        for (k = 0; k + 8 <= N; k += 8) /* 8 lanes: the same two products and roundings as below */
+            store8(yr, k, rnd8(_mm256_mul_ps(kv8(w, k, F32), rnd8(_mm256_mul_ps(kv8(xr, k, F32), inv8), F32)), F32), F32);
+        for (; k < N; k++) {
+            float t = kv1(xr, k, F32) * inv;
+            if (F32) {
+                ((float *)y)[m * N + k] = ((const float *)w)[k] * t;
+            } else {
+                float tb = bf16_to_f32(f32_to_bf16(t));
+                ((uint16_t *)y)[m * N + k] = f32_to_bf16(bf16_to_f32(((const uint16_t *)w)[k]) * tb);
+            }
+        }
+    }
+}
+
+/* Elements per thread below which the small per-token ops (RMSNorm, RoPE) are not split. */
+#define MIN_ELEMS_PER_THREAD 4096
+
+/* Elements per thread below which RMSNorm is not split: vectorized, 64 rows of 576 take ~10 us on one core, and a
+ * second thread made a batch-48 step's norms slower (its fork / join and the rows' cache lines moving over). */
+#define NORM_MIN_ELEMS_PER_THREAD 65536
+
+int tetri_rmsnorm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps, int64_t nthreads) {
+    int nt = team_for(nthreads, M * N, NORM_MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        rmsnorm_rows(x, w, y, lo, hi, N, eps, 1);
+    }
+    return 0;
+}
+
+int tetri_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, float eps,
+                       int64_t nthreads) {
+    int nt = team_for(nthreads, M * N, NORM_MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        rmsnorm_rows(x, w, y, lo, hi, N, eps, 0);
+    }
+    return 0;
+}
+
+/* Rotate-half RoPE (HF Llama), as torch computes `x * cos + cat(-x2, x1) * sin` in the dtype: each product and the
+ * sum rounded to the dtype (fp32: no fused multiply-add, bit-identical to torch; bf16: the products of two bf16
+ * values are exact in fp32, then rounded as torch rounds).
+ * x: T tokens x H heads x D, token stride xs elements (a column slice of the fused qkv output), head stride D;
+ * cos, sin: [T, D] contiguous; out: [T, H, D] contiguous. Returns 0. */
 static inline __attribute__((always_inline)) void rope_rows(const void *x, const void *cs, const void *sn, void *out,
                                                              int64_t lo, int64_t hi, int64_t H, int64_t D,
                                                              int64_t xs, int F32) {
