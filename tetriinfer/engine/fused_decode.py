@@ -15,7 +15,8 @@ in batch order, no padding), every matmul of the layer stack routed to a native 
 ``TETRIINFER_FUSED_DECODE`` not set to 0. Otherwise the model runs its per-op path.
 
 Invariants: reads the weights and caches in place; keeps only the layer pointer table (their addresses, rebuilt when
-the caches list or a layer's weights are replaced) and one scratch buffer per (rows, dtype), owned here.
+the caches list or a layer's weights are replaced) and one scratch buffer per dtype (sized for the most rows
+seen), owned here.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class FusedDecode:
         self.model = model
         self._table: torch.Tensor | None = None  # [num_layers * LAYER_WORDS] int64 addresses
         self._table_key: tuple[int, int, int, int] | None = None
-        self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._fns: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def applies(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -108,12 +109,11 @@ class FusedDecode:
         fns = self._matmul_fns(x)
         assert fns is not None
         table = self._layer_table(kv_caches)
-        key = (b, x.dtype)
-        scratch = self._scratch.get(key)
-        if scratch is None:
-            n = cpu_kernels.llama_decode_scratch(b, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                 cfg.intermediate_size)
-            scratch = self._scratch[key] = torch.empty(n, dtype=x.dtype)
+        n = cpu_kernels.llama_decode_scratch(b, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                             cfg.intermediate_size)
+        scratch = self._scratch.get(x.dtype)
+        if scratch is None or scratch.numel() < n:  # one buffer per dtype, grown to the most rows seen
+            scratch = self._scratch[x.dtype] = torch.empty(n, dtype=x.dtype)
         g = meta.decode_groups[0]
         cpu_kernels.llama_decode_layers(
             x, table, len(self.model.layers), fns, cos.contiguous(), sin.contiguous(), meta.slot_mapping, g.slots,
