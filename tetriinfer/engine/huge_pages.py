@@ -33,13 +33,17 @@ THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def huge_pages_available() -> bool:
-    """Linux with transparent huge pages not set to ``never``, mmap's MADV_HUGEPAGE known, and the switch on."""
+    """Linux with transparent huge pages not set to ``never`` nor turned off for this process, mmap's
+    MADV_HUGEPAGE known, and the switch on."""
     if os.environ.get("TETRIINFER_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
-        return "[never]" not in THP_ENABLED.read_text()
+        if "[never]" in THP_ENABLED.read_text():
+            return False
+        status = Path("/proc/self/status").read_text()  # "THP_enabled: 0": this process opted out (prctl)
     except OSError:
         return False
+    return "THP_enabled:\t0" not in status
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
