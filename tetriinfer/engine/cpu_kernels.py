@@ -68,6 +68,7 @@ AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512
 LIBS = ["-lm"]
 OPENMP_FLAGS = ["-fopenmp"]
 MAX_ROWS = 64  # the kernel's x stays in cache up to here; callers use it for far fewer rows
+LLAMA_LAYER_WORDS = 12  # addresses per layer in `llama_decode_layers`' table (the C enum LW_*)
 
 
 def _compiler() -> str | None:
@@ -176,6 +177,7 @@ def _load() -> ctypes.CDLL | None:
     dll.tetri_llama_decode_scratch.argtypes = [ctypes.c_int64] * 6
     dll.tetri_llama_decode_scratch.restype = ctypes.c_int64
     dll.tetri_llama_decode_layer_words.restype = ctypes.c_int64
+    assert dll.tetri_llama_decode_layer_words() == LLAMA_LAYER_WORDS, "the C enum LW_* and this module disagree"
     dll.threaded = _threaded(dll, "tetri_openmp")
     return dll
 
@@ -488,7 +490,7 @@ def llama_decode_layers(x: torch.Tensor, table: torch.Tensor, num_layers: int, f
     assert dll is not None
     b, hidden = x.shape
     c = cfg
-    if (not x.is_contiguous() or table.dtype != torch.int64 or table.numel() != num_layers * 12
+    if (not x.is_contiguous() or table.dtype != torch.int64 or table.numel() != num_layers * LLAMA_LAYER_WORDS
             or fns.numel() != 5 or slots.shape[0] != b or lengths.shape != (b,) or slot_mapping.shape != (b,)
             or scratch.dtype != x.dtype or cos.dtype != x.dtype or cos.numel() != b * c.head_dim):  # type: ignore[attr-defined]
         raise ValueError(f"llama_decode_layers: x {tuple(x.shape)} {x.dtype}, table {tuple(table.shape)}, "

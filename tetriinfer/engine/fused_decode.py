@@ -26,10 +26,8 @@ import os
 import torch
 
 from tetriinfer.engine import cpu_kernels
-from tetriinfer.engine.attention import AttentionMetadata, _use_decode_kernel
+from tetriinfer.engine.attention import AttentionMetadata, native_decode_attention
 from tetriinfer.engine.models.layers import use_fused
-
-LAYER_WORDS = 12  # addresses per layer, in the order of the C enum LW_*
 
 
 def fused_decode_enabled() -> bool:
@@ -41,7 +39,7 @@ class FusedDecode:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._table: torch.Tensor | None = None  # [num_layers * LAYER_WORDS] int64 addresses
+        self._table: torch.Tensor | None = None  # [num_layers * cpu_kernels.LLAMA_LAYER_WORDS] int64 addresses
         self._table_key: tuple[int, int, int, int] | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._fns: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -56,8 +54,8 @@ class FusedDecode:
         g = meta.decode_groups[0]
         if g.lengths is None or g.row_start != 0 or g.slots.shape[0] != t:
             return False
-        q_like = x.new_empty((t, 1, 1))
-        if not all(k.dtype == x.dtype and v.is_contiguous() and _use_decode_kernel(q_like, k) for k, v in kv_caches):
+        if not native_decode_attention(x.dtype, x.device) or not all(  # `attention._use_decode_kernel`, per cache
+                k.dtype == x.dtype and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
             return False
         return self._matmul_fns(x) is not None
 

@@ -11,7 +11,6 @@ Live migration (``core.migration``, ``vllm`` and ``sarathi``): ``Migrate`` hands
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from tetriinfer.core.colocated_scheduler import (
@@ -113,5 +112,5 @@ class ColocatedWorker:
         return not out.is_empty
 
     def load_report(self, now: float, utilization: float, state: InstanceState) -> LoadReport:
-        rep = colocated_load_report(self.scheduler, self.ctx.instance_id, now, utilization, state)
-        return dataclasses.replace(rep, step_inflation=self.inflation.take())
+        return colocated_load_report(self.scheduler, self.ctx.instance_id, now, utilization, state,
+                                     step_inflation=self.inflation.take())
