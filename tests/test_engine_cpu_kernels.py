@@ -92,8 +92,8 @@ def test_gemv_fp32_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
 
 @needs_kernel
 def test_linear_uses_the_fp32_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32 matmuls of at most `f32_native_matmul_max_rows()` rows take a native kernel (one row the AVX2 one, more
-    rows the AVX-512 one where it is built) and match torch; more rows take torch's GEMM."""
+    """fp32 matmuls of at most `f32_native_matmul_max_rows()` rows take a native kernel (the AVX-512 one where it is
+    built, one row included, else the AVX2 one) and match torch; more rows take torch's GEMM."""
     import tetriinfer.engine.models.layers as layers
 
     lin = Linear(40, 24, bias=True)
@@ -105,7 +105,7 @@ def test_linear_uses_the_fp32_kernel_for_decode_batches_only(monkeypatch: pytest
                         or cpu_kernels.gemm_f32_avx512(x, w, b))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    want = [("avx2", 1)] + [("avx512" if avx512 else "avx2", r) for r in (3, limit)]
+    want = [("avx512" if avx512 else "avx2", r) for r in (1, 3, limit)]
     try:
         with torch.inference_mode():
             for rows in (1, 3, limit):
@@ -171,6 +171,30 @@ def test_gemm_bf16_avx512_matches_fp32_reference(m: int, n: int, k: int, bias: b
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     ulp = want.float().abs().clamp_min(1e-3) * 2.0**-7
     assert bool(((got.float() - want.float()).abs() <= ulp).all())
+
+
+@needs_avx512
+@pytest.mark.parametrize(("n", "k"), [(8, 64), (12, 77), (130, 576), (7, 1536), (64, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx512_gemms_give_each_row_the_same_bits_at_every_batch_size(n: int, k: int, bias: bool) -> None:
+    """A row's output does not depend on the rows beside it: 1-3 rows read each weight group row by row, more rows
+    in interleaved passes of up to 6, and every split gives the same bits (same products, same order)."""
+    g = torch.Generator().manual_seed(n * 31 + k)
+    x = torch.randn(13, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    whole = cpu_kernels.gemm_bf16_avx512(x, w, b)
+    for m in (1, 2, 3, 4, 7):
+        for start in (0, 13 - m):
+            part = cpu_kernels.gemm_bf16_avx512(x[start : start + m].contiguous(), w, b)
+            assert torch.equal(part.view(torch.int16), whole[start : start + m].view(torch.int16)), (m, start)
+    xf, wf = x.float(), w.float()
+    bf = None if b is None else b.float()
+    whole_f32 = cpu_kernels.gemm_f32_avx512(xf, wf, bf)
+    for m in (1, 2, 3, 4, 7):
+        for start in (0, 13 - m):
+            part = cpu_kernels.gemm_f32_avx512(xf[start : start + m].contiguous(), wf, bf)
+            assert torch.equal(part, whole_f32[start : start + m]), (m, start)
 
 
 @needs_avx512

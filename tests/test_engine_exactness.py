@@ -95,14 +95,15 @@ def test_one_thread_serving_layout_matches_transformers(tiny_models, references,
     prompts, ref_tokens, ref_logits = references[arch]
     threads = torch.get_num_threads()
     calls: list[int] = []
-    real_gemv = cpu_kernels.gemv
+    real_gemv, real_avx512 = cpu_kernels.gemv, cpu_kernels.gemm_f32_avx512
     import tetriinfer.engine.models.layers as layers
 
     layers.gemv = lambda x, w, b: calls.append(1) or real_gemv(x, w, b)
+    layers.gemm_f32_avx512 = lambda x, w, b: calls.append(1) or real_avx512(x, w, b)
     try:
         outs, logits, _ = _run(tiny_models[arch], prompts, 64, 16, num_threads=1)
     finally:
-        layers.gemv = real_gemv
+        layers.gemv, layers.gemm_f32_avx512 = real_gemv, real_avx512
         torch.set_num_threads(threads)
     assert bool(calls) == cpu_kernels.kernels_available()  # the kernel path really ran (where it can)
     for i, (o, ref) in enumerate(zip(outs, ref_tokens, strict=True)):
@@ -121,15 +122,16 @@ def test_native_kernels_on_two_threads_match_transformers(tiny_models, reference
     prompts, ref_tokens, ref_logits = (r[:10] for r in references["llama"])
     threads = torch.get_num_threads()
     calls: list[int] = []
-    real_gemv = cpu_kernels.gemv
+    real_gemv, real_avx512 = cpu_kernels.gemv, cpu_kernels.gemm_f32_avx512
     import tetriinfer.engine.models.layers as layers
 
     layers.gemv = lambda x, w, b: calls.append(1) or real_gemv(x, w, b)
+    layers.gemm_f32_avx512 = lambda x, w, b: calls.append(1) or real_avx512(x, w, b)
     try:
         outs, logits, _ = _run(tiny_models["llama"], prompts, 64, 16, num_threads=2)
         assert torch.get_num_threads() == 2
     finally:
-        layers.gemv = real_gemv
+        layers.gemv, layers.gemm_f32_avx512 = real_gemv, real_avx512
         torch.set_num_threads(threads)
     assert bool(calls) == (cpu_kernels.kernels_available() and cpu_kernels.kernels_threaded())
     for i, (o, ref) in enumerate(zip(outs, ref_tokens, strict=True)):

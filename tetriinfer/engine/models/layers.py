@@ -77,7 +77,7 @@ class Linear(nn.Linear):
     fp32 there) and bf16 matmuls of fewer rows (decode) with the native AVX2 kernel of
     `tetriinfer.engine.cpu_kernels` when it is available (see `native_ok`); fp32 matmuls of at
     most `f32_native_matmul_max_rows()` rows (decode batches) use a native fp32 kernel under the same conditions
-    (AVX-512 from two rows where it is built, else AVX2); on CPUs with bf16
+    (the AVX-512 one where it is built, else AVX2); on CPUs with bf16
     instructions, bf16 matmuls of at most `bf16_native_matmul_max_rows()` rows take the AVX-512 BF16 kernel (where
     it is built; fewer rows on AMX CPUs), else the AVX2 one (not on AMX CPUs). Same arithmetic as
     torch's GEMM (products and sums in fp32, output rounded to the model dtype); only the summation order differs.
@@ -112,7 +112,7 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         if x.dtype == torch.float32:
             if rows <= f32_native_matmul_max_rows() and use_gemv(x, self.weight):
-                return "gemm_f32_avx512" if rows > 1 and avx512_bf16_available() else "gemv"
+                return "gemm_f32_avx512" if avx512_bf16_available() else "gemv"
         elif not cpu_has_native(x.dtype):
             if rows < UPCAST_MIN_ROWS and use_gemv(x, self.weight):
                 return "gemv"
