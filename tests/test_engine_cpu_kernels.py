@@ -174,11 +174,12 @@ def test_gemm_bf16_avx512_matches_fp32_reference(m: int, n: int, k: int, bias: b
 
 
 @needs_avx512
-@pytest.mark.parametrize(("n", "k"), [(8, 64), (12, 77), (130, 576), (7, 1536), (64, 33)])
+@pytest.mark.parametrize(("n", "k"), [(8, 64), (12, 77), (130, 576), (7, 1536), (64, 33), (603, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_avx512_gemms_give_each_row_the_same_bits_at_every_batch_size(n: int, k: int, bias: bool) -> None:
     """A row's output does not depend on the rows beside it: 1-3 rows read each weight group row by row, more rows
-    in interleaved passes of up to 6, and every split gives the same bits (same products, same order)."""
+    in interleaved passes of up to 6, group by group or (x past L1: 603 x 1100) panel by panel, and every split
+    gives the same bits (same products, same order)."""
     g = torch.Generator().manual_seed(n * 31 + k)
     x = torch.randn(13, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()

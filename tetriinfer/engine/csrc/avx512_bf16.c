@@ -179,11 +179,37 @@ static inline __attribute__((always_inline)) void tile_any(const uint16_t *xr, c
     }
 }
 
+/* Loop order. While the rows of x and one weight group fit in L1 ((M + 4) * K elements within L1_ROWS_BYTES),
+ * each group is read once and every pass over x runs on it (group outer, passes inner). Past that, each group's
+ * passes would stream x from L2 again; instead the weight rows go in panels of PANEL_ROWS (L2-sized for K up to
+ * ~1000 bf16) and each pass of up to 6 x rows runs over the whole panel (panel outer, passes, groups inner): x stays
+ * in L1 and the panel is re-read from L2. Every output element still sums the same products in the same order.
+ * Zen 4, one core, bf16, 48 rows: 3072 x 576 and 576 x 1536 matmuls 1.10-1.15x faster; at 16 rows over K = 1536
+ * 1.2x; at 16-19 rows over K = 576 the group order stays (it was 5-10% faster there). */
+#define L1_ROWS_BYTES (28 * 1024)
+#define PANEL_ROWS 512
+
 /* Weight rows [lo, hi) of the matmul (lo a multiple of 4): the groups of 4 a single thread would form. */
 static void gemm_cols(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                       int64_t K, int64_t lo, int64_t hi) {
     /* ceil(M / TR) passes of near-equal size (8 rows: 4 + 4, not 6 + 2: a thin pass is load-bound) */
     int64_t passes = (M + TR - 1) / TR;
+    if (M > ROW_ORDER_MAX_ROWS && (M + 4) * K * 2 > L1_ROWS_BYTES) { /* x does not stay in L1: panel order */
+        for (int64_t p0 = lo; p0 < hi; p0 += PANEL_ROWS) {
+            int64_t p1 = hi - p0 < PANEL_ROWS ? hi : p0 + PANEL_ROWS;
+            for (int64_t p = 0, m0 = 0; p < passes; p++) {
+                int R = (int)(M / passes + (p < M % passes));
+                for (int64_t n0 = p0; n0 < p1; n0 += 4) {
+                    int NB = p1 - n0 < 4 ? (int)(p1 - n0) : 4;
+                    const uint16_t *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
+                    const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
+                    tile_any(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
+                }
+                m0 += R;
+            }
+        }
+        return;
+    }
     for (int64_t n0 = lo; n0 < hi; n0 += 4) {
         int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;
         const uint16_t *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
@@ -326,6 +352,22 @@ static inline __attribute__((always_inline)) void tile_any_f32(const float *xr, 
 static void gemm_cols_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                           int64_t K, int64_t lo, int64_t hi) {
     int64_t passes = (M + TR - 1) / TR;
+    if (M > ROW_ORDER_MAX_ROWS && (M + 4) * K * 4 > L1_ROWS_BYTES) { /* x does not stay in L1: panel order */
+        for (int64_t p0 = lo; p0 < hi; p0 += PANEL_ROWS) {
+            int64_t p1 = hi - p0 < PANEL_ROWS ? hi : p0 + PANEL_ROWS;
+            for (int64_t p = 0, m0 = 0; p < passes; p++) {
+                int R = (int)(M / passes + (p < M % passes));
+                for (int64_t n0 = p0; n0 < p1; n0 += 4) {
+                    int NB = p1 - n0 < 4 ? (int)(p1 - n0) : 4;
+                    const float *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
+                    const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
+                    tile_any_f32(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
+                }
+                m0 += R;
+            }
+        }
+        return;
+    }
     for (int64_t n0 = lo; n0 < hi; n0 += 4) {
         int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;
         const float *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
