@@ -610,3 +610,25 @@ def test_decode_rows_of_very_different_lengths_are_attended_in_one_native_call(t
     bucketed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert max(batches) < len(prompts)
     assert bucketed == one_group
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_what_torch_picks(dtype: torch.dtype) -> None:
+    """The greedy token from the model-dtype logits equals ``x.float().argmax(-1)``: on random rows of every length
+    class (vector body, tail, shorter than a vector), on ties (the first maximum wins), -0.0 against 0.0, rows of
+    -inf, and NaN (the first NaN wins, as in torch); and at 1, 2 and 3 threads alike."""
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(m, n, generator=g) for m, n in ((1, 1), (3, 7), (5, 8), (4, 9), (48, 4099), (2, 17))]
+    rows += [torch.randint(-3, 3, (m, n), generator=g).float() for m, n in ((6, 40), (3, 8), (2, 5))]
+    inf, nan = float("inf"), float("nan")
+    rows += [torch.tensor([r]) for r in ([-inf] * 10, [-inf] * 3, [-0.0, 0.0, -0.0] * 5, [-inf] * 9 + [-1.0],
+                                         [1.0, nan, 5.0, nan] + [0.0] * 12, [0.0] * 12 + [nan], [nan] * 9,
+                                         [-5.0] * 8 + [inf, inf])]
+    for x in rows:
+        x = x.to(dtype)
+        want = x.float().argmax(dim=-1).tolist()
+        for t in (1, 2, 3):
+            assert cpu_kernels.argmax_rows(x, num_threads=t) == want, (x, t)
+    with pytest.raises(ValueError, match="argmax_rows"):
+        cpu_kernels.argmax_rows(torch.zeros(2, 0))

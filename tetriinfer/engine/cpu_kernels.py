@@ -170,6 +170,8 @@ def _load() -> ctypes.CDLL | None:
     for fn in silus:
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3  # gu, act, M, inter, nthreads
         fn.restype = ctypes.c_int
+    dll.tetri_argmax_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+    dll.tetri_argmax_rows.restype = ctypes.c_int
     fused.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6
                       + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float, ctypes.c_int64, ctypes.c_void_p,
                                                ctypes.c_int64])
@@ -366,6 +368,20 @@ def silu_mul(gu: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     fn = dll.tetri_silu_mul_f32 if gu.dtype == torch.float32 else dll.tetri_silu_mul_bf16
     fn(gu.data_ptr(), act.data_ptr(), m, inter, _threads(dll, num_threads))
     return act
+
+
+def argmax_rows(x: torch.Tensor, num_threads: int | None = None) -> list[int]:
+    """The index of each row's first maximum, as ``x.float().argmax(dim=-1).tolist()`` gives it (NaN counts as the
+    largest, the first NaN wins), for a contiguous [M, N] fp32 or bf16 tensor, without the fp32 copy (torch's bf16
+    argmax is slower still). Rows split over up to ``num_threads`` threads. Call only when `kernels_available()`."""
+    dll = _load()
+    assert dll is not None
+    if x.dim() != 2 or not x.is_contiguous() or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] == 0:
+        raise ValueError(f"argmax_rows: x {tuple(x.shape)} {x.dtype}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    dll.tetri_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], int(x.dtype == torch.float32), out.data_ptr(),
+                          _threads(dll, num_threads))
+    return out.tolist()
 
 
 GQA_DECODE_MAX_GROUP = 8  # query heads per kv head the grouped bf16 decode kernel takes (its accumulators)

@@ -678,6 +678,59 @@ int tetri_silu_mul_bf16(const uint16_t *gu, uint16_t *act, int64_t M, int64_t in
     return 0;
 }
 
+/* out[m] = the index of the first maximum of row m of x [M, N] (fp32 or bf16, contiguous), as torch's argmax: a NaN
+ * counts as greater than every number (the first NaN wins), -0.0 equals 0.0. Eight lanes each keep their first
+ * strictly greater value and its index; the lanes' results are then merged (largest value, lowest index among
+ * equals). bf16 widens to fp32 exactly, so a bf16 row's argmax equals that of its fp32 copy. Rows split over the
+ * threads (the result does not depend on the count). */
+static int64_t argmax_row(const void *row, int64_t N, int F32) {
+    int64_t i = 0;
+    __m256 best = _mm256_set1_ps(-INFINITY), nan_seen = _mm256_setzero_ps();
+    __m256i best_i = _mm256_set1_epi32(-1), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    if (N < (1ll << 31) - 8)
+        for (; i + 8 <= N; i += 8) {
+            __m256 v = kv8(row, i, F32);
+            __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+            nan_seen = _mm256_or_ps(nan_seen, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            best = _mm256_blendv_ps(best, v, gt);
+            best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+            idx = _mm256_add_epi32(idx, step);
+        }
+    if (_mm256_movemask_ps(nan_seen)) /* the first NaN, by a plain scan */
+        for (int64_t j = 0; j < N; j++)
+            if (isnan(kv1(row, j, F32))) return j;
+    float bv[8];
+    int32_t bi[8];
+    _mm256_storeu_ps(bv, best);
+    _mm256_storeu_si256((__m256i *)bi, best_i);
+    float top = -INFINITY;
+    int64_t at = -1;
+    for (int l = 0; l < 8; l++)
+        if (bi[l] >= 0 && (bv[l] > top || (bv[l] == top && bi[l] < at))) top = bv[l], at = bi[l];
+    if (at < 0 && i > 0) at = 0; /* every element so far is -inf: the first one leads */
+    for (; i < N; i++) {
+        float v = kv1(row, i, F32);
+        if (isnan(v)) return i;
+        if (v > top || at < 0) top = v, at = i;
+    }
+    return at < 0 ? 0 : at; /* a row of -inf only: its first element */
+}
+
+int tetri_argmax_rows(const void *x, int64_t M, int64_t N, int64_t f32, int64_t *out, int64_t nthreads) {
+    const int F32 = f32 != 0;
+    const int64_t esz = F32 ? 4 : 2;
+    int nt = team_for(nthreads, M * N, MIN_ELEMS_PER_THREAD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        split_range(M, 1, team_size(), team_id(), &lo, &hi);
+        for (int64_t m = lo; m < hi; m++)
+            out[m] = F32 ? argmax_row((const char *)x + m * N * esz, N, 1) : argmax_row((const char *)x + m * N * esz, N, 0);
+    }
+    return 0;
+}
+
 int tetri_llama_decode_layers(void *x, const int64_t *lw, int64_t num_layers, const int64_t *fns, const void *cs,
                               const void *sn, const int64_t *slot_mapping, const int64_t *slots,
                               const int64_t *lengths, int64_t L, int64_t B, int64_t hidden, int64_t H, int64_t Hkv,

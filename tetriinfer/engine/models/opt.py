@@ -91,7 +91,10 @@ class OPTForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, proj] -> [N, vocab] fp32
-        return self.lm_head(hidden).float()
+        return self.lm_logits(hidden).float()
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, proj] -> [N, vocab] in the model dtype
+        return self.lm_head(hidden)
 
     @staticmethod
     def map_weight_name(name: str) -> tuple[str, int | None, int]:
