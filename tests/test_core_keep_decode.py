@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
-from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
+from tetriinfer.core.keep_decode import (
+    KeepDecodeConfig,
+    keep_commitment,
+    keep_row,
+    kv_peak_blocks,
+    should_keep,
+)
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
@@ -51,7 +57,8 @@ def test_keep_rule_on_crafted_scenarios() -> None:
 
 
 def test_config_validation() -> None:
-    for bad in ({"ratio": 0}, {"max_running": 0}, {"max_kv_fraction": 0}, {"max_kv_fraction": 1.5}):
+    for bad in ({"ratio": 0}, {"max_running": 0}, {"max_kv_fraction": 0}, {"max_kv_fraction": 1.5},
+                {"commitment": "half"}):
         with pytest.raises(ValueError):
             KeepDecodeConfig(**bad)  # type: ignore[arg-type]
 
@@ -182,3 +189,57 @@ def test_keep_rule_read_through_dispatcher_views_decides_as_the_plain_scan(rule:
             decision = disp.choose(loads, rng.randint(1, 900), rng.choice([None, 0, 200, 400]))
             if decision.instance_id is not None:
                 loads = disp.charge(loads, decision.instance_id, rng.randint(1, 900), rng.choice([None, 200]))
+
+
+def _exact_peak(rows: list[tuple[int, int]], bs: int) -> int:
+    """Step by step: each row adds one token per step until it has added ``left`` tokens, then ends."""
+    peak = 0
+    for t in range(max((left for _, left in rows), default=0) + 1):
+        peak = max(peak, sum(-(-(now + t) // bs) for now, left in rows if left >= t))
+    return peak
+
+
+def test_commitment_defaults_to_peak_under_the_cost_rule_and_full_under_the_ratio_rule() -> None:
+    assert KeepDecodeConfig(rule="cost").commitment == "peak"
+    assert KeepDecodeConfig(rule="ratio").commitment == "full"
+    assert KeepDecodeConfig(rule="cost", commitment="full").commitment == "full"  # the paper's count, by flag
+
+
+def test_peak_commitment_counts_blocks_that_short_decodes_give_back_before_long_ones_peak() -> None:
+    # two 1000-token prompts on 16-token blocks: one adds 400 tokens, the other 20: at full length together they
+    # would hold 88 + 64 = 152 blocks, but the short one ends (at 64 + 64 = 128 blocks held) long before the long
+    # one reaches 88
+    kept, row = [(1000, 400)], (1000, 20)
+    full = keep_commitment(KeepDecodeConfig(rule="cost", commitment="full"), kept, row, 16)
+    peak = keep_commitment(KeepDecodeConfig(rule="cost"), kept, row, 16)
+    assert full == (88, 64)
+    assert _exact_peak([*kept, row], 16) == 128
+    assert peak[1] == 64 and 128 <= sum(peak) < 128 + 2  # within a block per row of the exact peak
+    assert sum(peak) < sum(full)
+    # the keep rule then keeps under a cap that the full count would break
+    cfg = KeepDecodeConfig(enabled=True, rule="cost", cost_max_kv_fraction=0.9)
+    loads = [LoadReport("d0", Role.DECODE, num_running=6, num_free_blocks=10, num_used_blocks=190, block_size=16)]
+    assert should_keep(cfg, own_running=1, own_queued=0, own_committed_blocks=peak[0], request_blocks=peak[1],
+                       pool_blocks=150, decode_loads=loads)
+    assert not should_keep(cfg, own_running=1, own_queued=0, own_committed_blocks=full[0], request_blocks=full[1],
+                           pool_blocks=150, decode_loads=loads)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 120)), min_size=1, max_size=8),
+       st.sampled_from([1, 4, 16]))
+def test_peak_blocks_bound_the_exact_peak_and_never_exceed_every_row_at_full_length(
+        rows: list[tuple[int, int]], bs: int) -> None:
+    exact = _exact_peak(rows, bs)
+    got = kv_peak_blocks(rows, bs)
+    full = sum(-(-(now + left) // bs) for now, left in rows)
+    assert exact <= got <= full
+    assert got < exact + len(rows)  # above the exact peak by less than one block per row
+
+
+def test_keep_row_is_the_context_now_and_what_max_tokens_may_still_add_within_the_model() -> None:
+    req = Request("r", list(range(100)), SamplingParams(max_tokens=50))
+    assert keep_row(req, 4096) == (100, 50)
+    assert keep_row(req, 120) == (100, 20)
+    req.append_output(1)
+    assert keep_row(req, 4096) == (101, 49)

@@ -26,6 +26,15 @@ holds for compute: when the least loaded decode instance's steps are inflated by
 at least ``min_step_inflation``), a request is kept while this instance runs fewer kept decodes than that
 instance runs decodes (and its kept KV stays below half its pool, or the decode tier's pressure if higher).
 
+What the kept decodes commit of this instance's pool (``keep_commitment``, ``KeepDecodeConfig.commitment``):
+``full`` counts every kept decode at its full length (prompt + ``max_tokens``) at once, as if all reached it
+together; ``peak`` (the cost rule's default) counts the most blocks they hold at any one step if each decodes
+one token per step until it reaches its full length and ends (``kv_peak_blocks``): the kept decodes that end
+first give their blocks back before the longer ones reach their peak, so a pool committed by ``full`` sits
+partly idle while requests wait for a decode slot (bursts of long prompts with long answers on a small pool).
+Both are upper bounds on what the kept decodes will hold (``max_tokens`` bounds each request's length), so
+neither lets kept decodes preempt each other.
+
 Invariants: pure (``decode_loads`` and counts are passed in); never keeps while prompts wait here; never
 commits more than ``max_kv_fraction`` (``cost_max_kv_fraction`` under the cost rule) of the pool to kept
 decodes.
@@ -33,14 +42,16 @@ decodes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tetriinfer.core.dispatcher import DecodeViews
 from tetriinfer.core.load import LoadReport, Role, accepting
 from tetriinfer.core.pd_controller import kv_pressure
+from tetriinfer.core.request import Request
 
 KEEP_RULES = ("ratio", "cost")
+KEEP_COMMITMENTS = ("full", "peak")
 
 
 @dataclass(frozen=True)
@@ -53,10 +64,17 @@ class KeepDecodeConfig:
     min_decode_pressure: float = 0.5
     min_step_inflation: float = 0.0
     cost_max_kv_fraction: float = 0.9
+    # what kept decodes commit of the pool (module docstring): full | peak; None: peak under the cost rule, else full
+    commitment: str | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in KEEP_RULES:
             raise ValueError(f"keep-decode rule must be one of {', '.join(KEEP_RULES)}, got {self.rule!r}")
+        if self.commitment is None:
+            object.__setattr__(self, "commitment", "peak" if self.rule == "cost" else "full")
+        if self.commitment not in KEEP_COMMITMENTS:
+            raise ValueError(f"keep-decode commitment must be one of {', '.join(KEEP_COMMITMENTS)}, "
+                             f"got {self.commitment!r}")
         if not 0.0 <= self.min_decode_pressure <= 2.0:
             raise ValueError(f"keep-decode min_decode_pressure must be in [0, 2], got {self.min_decode_pressure}")
         if not 0.0 <= self.min_step_inflation <= 1.0:
@@ -69,6 +87,47 @@ class KeepDecodeConfig:
             raise ValueError(f"keep-decode max_running must be >= 1, got {self.max_running}")
         if not 0.0 < self.max_kv_fraction <= 1.0:
             raise ValueError(f"keep-decode max_kv_fraction must be in (0, 1], got {self.max_kv_fraction}")
+
+
+def keep_row(req: Request, max_model_len: int) -> tuple[int, int]:
+    """``req`` as ``keep_commitment`` counts it: (tokens it holds KV for now, most tokens it may still add), its
+    full length being prompt + ``max_tokens`` within the model's context."""
+    now = req.num_tokens
+    full = max(now, min(req.num_prompt_tokens + req.sampling_params.max_tokens, max_model_len))
+    return now, full - now
+
+
+def kv_peak_blocks(rows: Iterable[tuple[int, int]], block_size: int) -> int:
+    """The most KV blocks ``rows`` = (tokens now, tokens still to add) hold at one step if each adds one token per
+    step until it has added all and then ends (freeing its blocks).
+
+    Usage only grows between two ends, so the peak is at a step ``t`` where a row reaches its full length: the rows
+    with at least ``t`` tokens to add then hold ``now + t`` tokens each. Each row's blocks are counted as
+    ``(tokens + block_size - 1) / block_size`` summed before flooring, so the result is at least the exact block
+    count (above it by less than one block per row) and never more than every row at its full length at once.
+    O(n log n) for n rows."""
+    ordered = sorted(rows, key=lambda r: -r[1])
+    peak = held_now = 0
+    for k, (now, left) in enumerate(ordered, start=1):
+        held_now += now
+        # rows 1..k are the ones with at least ``left`` tokens to add (ties are complete at the last of them)
+        peak = max(peak, (held_now + k * left + k * (block_size - 1)) // block_size)
+    full = sum((now + left + block_size - 1) // block_size for now, left in ordered)
+    return min(peak, full)
+
+
+def keep_commitment(config: KeepDecodeConfig, kept: Iterable[tuple[int, int]], row: tuple[int, int],
+                    block_size: int) -> tuple[int, int]:
+    """``should_keep``'s ``own_committed_blocks`` and ``request_blocks`` for a request ``row`` (``keep_row``) at an
+    instance whose kept decodes are ``kept``: ``request_blocks`` = the request's blocks at its full length;
+    ``own_committed_blocks`` = what the kept decodes commit under ``config.commitment`` (every one at its full
+    length, or the peak of the kept decodes and this request together, less ``request_blocks``), so that their
+    sum is what keeping the request would commit."""
+    req_blocks = (row[0] + row[1] + block_size - 1) // block_size
+    rows = list(kept)
+    if config.commitment == "peak":
+        return max(0, kv_peak_blocks([*rows, row], block_size) - req_blocks), req_blocks
+    return sum((now + left + block_size - 1) // block_size for now, left in rows), req_blocks
 
 
 def should_keep(

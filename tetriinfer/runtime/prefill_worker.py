@@ -26,7 +26,7 @@ import torch
 
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig, charge_dispatch
-from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
+from tetriinfer.core.keep_decode import KeepDecodeConfig, keep_commitment, keep_row, should_keep
 from tetriinfer.core.load import InstanceState, LoadReport, prefill_instance_report
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tetriinfer.core.request import Request
@@ -343,15 +343,12 @@ class PrefillWorker:
         if not self.keep_config.enabled:
             return False
         kv, cap = self.ctx.kv_manager, self.ctx.max_model_len
-
-        def full_blocks(r: Request) -> int:
-            return kv.pool.blocks_for_tokens(min(r.num_prompt_tokens + r.sampling_params.max_tokens, cap))
-
+        own, blocks = keep_commitment(self.keep_config, (keep_row(r, cap) for r in self.kept.requests.values()),
+                                      keep_row(req, cap), kv.block_size)
         return should_keep(
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
-            own_queued=self.scheduler.num_queued,
-            own_committed_blocks=sum(full_blocks(r) for r in self.kept.requests.values()),
-            request_blocks=full_blocks(req), pool_blocks=kv.num_blocks, decode_loads=self.decode_loads,
+            own_queued=self.scheduler.num_queued, own_committed_blocks=own, request_blocks=blocks,
+            pool_blocks=kv.num_blocks, decode_loads=self.decode_loads,
         )
 
     def _try_keep(self, req: Request) -> bool:

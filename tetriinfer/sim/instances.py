@@ -28,7 +28,7 @@ from tetriinfer.core.colocated_scheduler import (
 )
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
-from tetriinfer.core.keep_decode import KeepDecodeConfig, should_keep
+from tetriinfer.core.keep_decode import KeepDecodeConfig, keep_commitment, keep_row, should_keep
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import (
     InstanceState,
@@ -608,17 +608,13 @@ class SimPrefill(SimInstance):
         """``core.keep_decode.should_keep`` for ``req`` here, now."""
         if not self.keep_config.enabled or self.state is not InstanceState.ACTIVE:
             return False
-        pool, cap = self.kv.pool, self.pol.max_model_len
-
-        def full_blocks(r: Request) -> int:
-            return pool.blocks_for_tokens(min(r.num_prompt_tokens + r.sampling_params.max_tokens, cap))
-
+        cap = self.pol.max_model_len
+        own, blocks = keep_commitment(self.keep_config, (keep_row(r, cap) for r in self.kept.requests.values()),
+                                      keep_row(req, cap), self.kv.block_size)
         return should_keep(
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
-            own_queued=self.scheduler.num_queued,
-            own_committed_blocks=sum(full_blocks(r) for r in self.kept.requests.values()),
-            request_blocks=full_blocks(req), pool_blocks=self.kv.num_blocks, decode_loads=self.decode_loads,
-            views=self.dispatcher.views,
+            own_queued=self.scheduler.num_queued, own_committed_blocks=own, request_blocks=blocks,
+            pool_blocks=self.kv.num_blocks, decode_loads=self.decode_loads, views=self.dispatcher.views,
         )
 
     def _try_keep(self, req: Request) -> bool:
