@@ -335,3 +335,50 @@ def test_abort_queued_inflight_and_handed_over() -> None:
     assert sched.abort("b") is not None and sched.abort("c") is not None
     assert sched.kv.num_free_blocks == 20 and not sched.has_unfinished()
     assert set(sched.schedule().finished_request_ids) == {"b", "c"}
+
+
+def test_chunk_budget_takes_a_tail_of_at_most_tail_tokens_into_the_chunk_that_empties_the_queue() -> None:
+    from tetriinfer.core.chunking import chunk_budget
+
+    assert chunk_budget(512, 575, 128) == 575  # 63 tokens past one chunk: no step of their own
+    assert chunk_budget(512, 640, 128) == 640
+    assert chunk_budget(512, 641, 128) == 512  # more than a tail left: a full chunk, as the paper does
+    assert chunk_budget(512, 400, 128) == 512  # one chunk holds it all anyway
+    assert chunk_budget(512, 575, 0) == 512  # off
+    with pytest.raises(ValueError):
+        chunk_budget(512, 575, -1)
+
+
+def test_build_chunk_with_a_tail_budget_pads_only_up_to_chunk_size() -> None:
+    from tetriinfer.core.chunking import build_chunk
+
+    chunk = build_chunk([("a", 512, 575)], 512, pad=True, budget=575)
+    assert [(s.request_id, s.start, s.num_tokens) for s in chunk.slices] == [("a", 512, 575)]
+    assert chunk.num_padding == 0 and chunk.chunk_size == 512
+    shrunk = build_chunk([("a", 0, 575)], 512, admit=lambda rid, start, n: 100, pad=True, budget=575)
+    assert shrunk.num_real_tokens == 100 and shrunk.num_padding == 412  # padded to chunk_size, not to the budget
+    with pytest.raises(ValueError, match="budget"):
+        build_chunk([("a", 0, 575)], 512, budget=500)
+
+
+def test_a_lone_prompt_just_past_two_chunks_is_prefilled_in_two_steps_with_a_tail_merge() -> None:
+    def steps(tail: int, lens: dict[str, int]) -> list[int]:
+        cfg = PrefillSchedulerConfig(chunk_size=512, tail_tokens=tail, max_model_len=4096)
+        sched = PrefillScheduler(cfg, KVCacheManager(1000, 16))
+        for rid, n in lens.items():
+            sched.add_request(make_req(rid, n))
+        sizes = []
+        while sched.queue:
+            out, upd = step(sched)
+            sizes.append(out.num_scheduled_tokens)
+            for r in upd.prefilled:
+                sched.release(r.request_id)
+        sched.check_invariants()
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+        return sizes
+
+    assert steps(0, {"a": 1087}) == [512, 512, 63]  # the paper's fixed chunks: a 63-token step of its own
+    assert steps(128, {"a": 1087}) == [512, 575]
+    # a chunk grows only when it empties the queue: with more queued, every chunk but the last is chunk_size
+    assert steps(128, {"a": 1087, "b": 300}) == [512, 512, 363]
+    assert steps(128, {"a": 1087, "b": 900}) == [512, 512, 512, 451]

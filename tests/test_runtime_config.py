@@ -40,6 +40,26 @@ def test_prefill_merge_limit_reaches_the_prefill_worker_from_the_command_line() 
         ClusterConfig(model="m", prefill_merge_limit=0)
 
 
+def test_prefill_tail_merge_is_a_quarter_chunk_under_the_adaptive_controller_and_off_for_the_paper() -> None:
+    import argparse
+
+    from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_cluster_args(p)
+
+    def tail(*argv: str) -> int:
+        return cluster_config_from_args(p.parse_args(list(argv)), "m").prefill_tail_tokens
+
+    assert tail("--mode", "tetriinfer") == 128  # --pd-controller adaptive by default
+    assert tail("--mode", "tetriinfer", "--chunk-size", "256") == 64
+    assert tail("--mode", "tetriinfer", "--pd-controller", "static") == 0  # the paper's fixed chunks
+    assert tail("--mode", "tetriinfer", "--prefill-tail-tokens", "0") == 0
+    assert tail("--mode", "distserve") == 0
+    with pytest.raises(ValueError, match="prefill_tail_tokens"):
+        ClusterConfig(model="m", prefill_tail_tokens=-1)
+
+
 @pytest.mark.parametrize("pad", [True, False])
 def test_prefill_scheduler_pads_only_when_asked(pad: bool) -> None:
     kv = KVCacheManager(64, 16)

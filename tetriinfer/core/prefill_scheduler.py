@@ -7,7 +7,8 @@ decoding -> finished | aborted | failed.
 
 - ``add_request`` queues a request (WAITING). Each ``schedule()`` returns one PREFILL step: exactly one
   chunk of ``chunk_size`` tokens sliced and merged from queued requests in ``PrefillQueue`` order
-  (padded), or IDLE.
+  (padded), or IDLE. With ``tail_tokens`` the chunk that empties the queue may hold up to ``chunk_size +
+  tail_tokens`` tokens instead of leaving the rest to a step of its own (``core.chunking``, tail merge).
 - When a request's context is fully computed, the step samples its first token (``update``). If that
   token ends it (EOS, ``max_tokens == 1``), it finishes here and its blocks are freed at once.
   Otherwise it is *handed over* (status RUNNING): it stays in ``handed_over`` with its blocks held so
@@ -25,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tetriinfer.core.chunking import build_chunk
+from tetriinfer.core.chunking import build_chunk, chunk_budget
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.local_scheduler import _segment, prefill_candidates
@@ -47,6 +48,8 @@ class PrefillSchedulerConfig:
     cache_aware_order: bool = True
     # later requests join a chunk only while it holds fewer tokens than this (core.chunking; None: fill it)
     merge_limit: int | None = None
+    # a chunk takes all queued prompt tokens when they exceed chunk_size by at most this (core.chunking; 0: never)
+    tail_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_prefill_policy(self.policy))
@@ -58,6 +61,8 @@ class PrefillSchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.merge_limit is not None and self.merge_limit < 1:
             raise ValueError(f"merge_limit must be >= 1 or None, got {self.merge_limit}")
+        if self.tail_tokens < 0:
+            raise ValueError(f"tail_tokens must be >= 0, got {self.tail_tokens}")
 
 
 @dataclass(frozen=True)
@@ -221,8 +226,12 @@ class PrefillScheduler:
             assert ok
             return fit
 
-        return build_chunk(prefill_candidates(order, self.kv), self.config.chunk_size, admit=admit,
-                           pad=self.config.pad_last_chunk, merge_limit=self.config.merge_limit)
+        cfg = self.config
+        budget = None
+        if cfg.tail_tokens:
+            budget = chunk_budget(cfg.chunk_size, sum(r.num_uncomputed_tokens for r in order), cfg.tail_tokens)
+        return build_chunk(prefill_candidates(order, self.kv), cfg.chunk_size, admit=admit,
+                           pad=cfg.pad_last_chunk, merge_limit=cfg.merge_limit, budget=budget)
 
     # ---- results -------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: StepResult) -> PrefillStepUpdate:

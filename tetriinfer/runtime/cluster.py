@@ -469,7 +469,7 @@ class ClusterEngineClient:
             enable_prefix_caching=c.enable_prefix_caching,
             prefill_policy=pol.prefill_policy, prefill_sched_batch=c.prefill_sched_batch,
             cache_aware_prefill_order=c.cache_aware_prefill_order, prefill_merge_limit=c.prefill_merge_limit,
-            dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
+            prefill_tail_tokens=c.prefill_tail_tokens, dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             heavy_decode_tokens=c.heavy_decode_tokens, keep_decode=pol.keep_decode,
             keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,

@@ -69,6 +69,7 @@ class ClusterConfig:
     prefill_sched_batch: int = 16
     cache_aware_prefill_order: bool = True  # with prefix caching: shortest-first counts uncached tokens only
     prefill_merge_limit: int | None = None  # later prompts join a chunk only below this many tokens (None: fill)
+    prefill_tail_tokens: int = 0  # a chunk takes all queued prompt tokens when they exceed it by at most this (0: never)
     dispatch_policy: str = "length-aware"
     decode_policy: str = "greedy"
     heavy_decode_tokens: int = 128
@@ -138,6 +139,8 @@ class ClusterConfig:
         pads_last_chunk(self.chunk_padding, self.device)  # validates chunk_padding
         if self.prefill_merge_limit is not None and self.prefill_merge_limit < 1:
             raise ValueError(f"prefill_merge_limit must be >= 1 (or unset), got {self.prefill_merge_limit}")
+        if self.prefill_tail_tokens < 0:
+            raise ValueError(f"prefill_tail_tokens must be >= 0, got {self.prefill_tail_tokens}")
         if self.instance_nice is not None:
             check_nice(self.instance_nice)
         if self.prefill_rt_priority is not None:

@@ -44,6 +44,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     prefill_sched_batch: int = 16
     cache_aware_prefill_order: bool = True  # PrefillSchedulerConfig.cache_aware_order
     prefill_merge_limit: int | None = None  # PrefillSchedulerConfig.merge_limit
+    prefill_tail_tokens: int = 0  # PrefillSchedulerConfig.tail_tokens
     dispatch_policy: str = "length-aware"
     decode_policy: str = "greedy"
     colocated_policy: str = "vllm"  # vllm | sarathi

@@ -95,6 +95,7 @@ class PrefillWorker:
                 prefill_sched_batch=spec.prefill_sched_batch,
                 cache_aware_order=spec.cache_aware_prefill_order,
                 merge_limit=spec.prefill_merge_limit,
+                tail_tokens=spec.prefill_tail_tokens,
                 chunk_size=spec.chunk_size,
                 pad_last_chunk=spec.pad_last_chunk,
                 max_model_len=ctx.max_model_len,

@@ -58,6 +58,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
                             "than TOKENS tokens (and up to TOKENS in all); set it to the device's saturation threshold "
                             "where every token past it costs time (a CPU: ~128), so merged tokens do not delay the first "
                             "prompt's first token. Default: fill every chunk (the paper)")
+    sched.add_argument("--prefill-tail-tokens", type=int, default=None, metavar="TOKENS",
+                       help="prefill instances: a chunk takes every queued prompt token when they exceed --chunk-size by "
+                            "at most TOKENS, instead of leaving a tail to a step of its own that runs below the device's "
+                            "saturation point (a whole step's cost for a few tokens). 0: the paper's fixed chunks. "
+                            "Default: chunk size / 4 under --pd-controller adaptive, else 0")
     sched.add_argument("--max-num-seqs", type=int, default=256)
     sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
     sched.add_argument("--prefill-policy", default="fcfs", choices=["fcfs", "sjf", "ljf", "srtf"])
@@ -197,8 +202,8 @@ def serve_cpu_layout(args: argparse.Namespace) -> Any:
 def resolve_pd_defaults(args: argparse.Namespace, prefill_rt_priority: int | None = None) -> dict[str, Any]:
     """``--pd-controller`` and the flags it sets by default (explicit flags win): adaptive turns flips,
     cost-based keep-decode (not with a real-time prefill priority from ``--cpu-layout``), waiting dispatch (a request
-    no decode instance has room for stays staged where it was prefilled) and local prefill (not with prefix caching)
-    on; ``--flip`` alone means the paper's rule."""
+    no decode instance has room for stays staged where it was prefilled), local prefill (not with prefix caching) and
+    tail merges of prefill chunks (a quarter chunk) on; ``--flip`` alone means the paper's rule."""
     controller = args.pd_controller or ("paper" if args.flip else "adaptive" if args.mode == "tetriinfer" else "static")
     adaptive = controller == "adaptive"
     return {
@@ -210,6 +215,8 @@ def resolve_pd_defaults(args: argparse.Namespace, prefill_rt_priority: int | Non
         # prompts whose blocks a prefill instance's prefix cache holds are cheaper there than prefilled locally
         "local_prefill": args.local_prefill if args.local_prefill is not None else adaptive and not
         args.enable_prefix_caching,
+        "prefill_tail_tokens": (args.prefill_tail_tokens if args.prefill_tail_tokens is not None
+                                else args.chunk_size // 4 if adaptive else 0),
     }
 
 

@@ -116,7 +116,7 @@ class SimConfig:
         return InstancePolicies(
             prefill_policy=pol.prefill_policy, prefill_sched_batch=c.prefill_sched_batch, chunk_size=c.chunk_size,
             cache_aware_prefill_order=c.cache_aware_prefill_order, prefill_merge_limit=c.prefill_merge_limit,
-            pad_last_chunk=c.pad_last_chunk, dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
+            prefill_tail_tokens=c.prefill_tail_tokens, pad_last_chunk=c.pad_last_chunk, dispatch_policy=pol.dispatch_policy, decode_policy=pol.decode_policy,
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, heavy_decode_tokens=c.heavy_decode_tokens,
             keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,

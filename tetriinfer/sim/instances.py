@@ -87,6 +87,7 @@ class InstancePolicies:
     prefill_sched_batch: int = 16
     cache_aware_prefill_order: bool = True
     prefill_merge_limit: int | None = None
+    prefill_tail_tokens: int = 0
     chunk_size: int = 512
     pad_last_chunk: bool = False
     dispatch_policy: str = "length-aware"
@@ -523,7 +524,7 @@ class SimPrefill(SimInstance):
                                    chunk_size=pol.chunk_size, pad_last_chunk=pol.pad_last_chunk,
                                    max_model_len=pol.max_model_len,
                                    cache_aware_order=pol.cache_aware_prefill_order,
-                                   merge_limit=pol.prefill_merge_limit),
+                                   merge_limit=pol.prefill_merge_limit, tail_tokens=pol.prefill_tail_tokens),
             kv,
         )
         self.dispatcher = Dispatcher(DispatcherConfig(policy=pol.dispatch_policy,
