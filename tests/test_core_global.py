@@ -41,6 +41,21 @@ def test_burst_between_reports_is_spread() -> None:
     assert g.route("x", newer, now=1.5) == "p1"
 
 
+def test_equal_backlogs_send_the_prompt_to_the_prefill_instance_holding_fewer_prefilled_requests() -> None:
+    from dataclasses import replace
+
+    # both idle of prompts; p0 decodes 3 requests it kept (its steps are in flight when the prompt lands, and its
+    # chunks carry their rows), p1 holds one staged for a transfer: the prompt goes to p1
+    loads = [replace(prefill("p0", 0), num_running=3), replace(prefill("p1", 0), num_running=1)]
+    g = GlobalPolicy()
+    g.add("a", now=0.0, num_prompt_tokens=100)
+    assert g.route("a", loads, now=0.0) == "p1"
+    # the prompt backlog still comes first: tokens to prefill outweigh held requests
+    g.add("b", now=0.0, num_prompt_tokens=100)
+    assert g.route("b", [replace(prefill("p0", 0), num_running=3), replace(prefill("p1", 50), num_running=0)],
+                   now=0.0) == "p0"
+
+
 def test_lifecycle_and_exactly_one_terminal_phase() -> None:
     g = GlobalPolicy()
     g.add("a", now=0.0, num_prompt_tokens=10, ttft_slo_s=1.0, tpot_slo_s=0.1)

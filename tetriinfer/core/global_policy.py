@@ -7,8 +7,9 @@ ARRIVED -> PREFILL (routed to a prefill instance: queued, predicted, chunks pref
 Routing: each request goes to the least-loaded ACTIVE prefill instance (draining or flipping
 instances are skipped). Load = prompt tokens still to prefill from the instance's latest report plus
 the tokens this policy routed there after that report was built (so a burst between two reports is
-spread instead of piling onto one instance); ties by instance id. With prefix-aware routing
-(``core.prefix_affinity``, on with prefix caching), the key is that backlog plus the request's own prompt tokens
+spread instead of piling onto one instance); ties by queue length, then by the prefilled requests the instance
+still holds (staged for a transfer or kept to decode there, ``load_key``), then by instance id. With prefix-aware
+routing (``core.prefix_affinity``, on with prefix caching), the key is that backlog plus the request's own prompt tokens
 *not* already cached at the instance (as far as the front end knows), and what an instance is charged for a
 routed request is only its uncached part.
 
@@ -45,7 +46,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tetriinfer.core.load import LoadReport, Role, accepting, load_key
+from tetriinfer.core.load import LoadKey, LoadReport, Role, accepting, load_key
 from tetriinfer.core.prefix_affinity import PrefixAffinity
 
 
@@ -181,7 +182,7 @@ class _PrefillIndex:
     __slots__ = ("loads", "size", "reports", "horizon", "key", "heap", "dirty")
 
     def __init__(self, loads: Sequence[LoadReport], reports: dict[str, LoadReport], horizon: dict[str, float],
-                 key: dict[str, tuple[float, int, str]]) -> None:
+                 key: dict[str, LoadKey]) -> None:
         self.loads, self.size = loads, len(loads)
         self.reports, self.horizon, self.key = reports, horizon, key
         self.heap = [(k, iid) for iid, k in key.items()]
@@ -241,7 +242,7 @@ class GlobalPolicy:
         if not cands:
             return None
 
-        def key(r: LoadReport) -> tuple[float, int, str]:
+        def key(r: LoadReport) -> LoadKey:
             return load_key(r, extra_tokens=self._extra(r) - self._cached(r.instance_id, digests))
 
         return min(cands, key=key).instance_id

@@ -116,14 +116,20 @@ class LoadReport:
         return -(-num_tokens // self.block_size)
 
 
-def load_key(report: LoadReport, extra_tokens: int = 0) -> tuple[float, int, str]:
+LoadKey = tuple[float, int, int, str]
+
+
+def load_key(report: LoadReport, extra_tokens: int = 0) -> LoadKey:
     """Sort key for "least loaded" (smaller is less loaded), deterministic via the instance id.
 
     Prefill: prompt tokens still to prefill (+ ``extra_tokens`` routed since the report), then queue
-    length. Decode: KV usage, then requests queued + running."""
+    length, then prefilled requests it still holds (staged for a transfer, or kept to decode there: a prompt
+    waits for the decode step in flight and its chunks carry the kept decodes' rows). Decode: KV usage, then
+    requests queued + running."""
     if report.role is Role.PREFILL:
-        return (float(report.tokens_in_flight + extra_tokens), report.num_queued, report.instance_id)
-    return (report.kv_usage, report.num_queued + report.num_running, report.instance_id)
+        return (float(report.tokens_in_flight + extra_tokens), report.num_queued, report.num_running,
+                report.instance_id)
+    return (report.kv_usage, report.num_queued + report.num_running, 0, report.instance_id)
 
 
 def accepting(reports: Iterable[LoadReport], role: Role) -> list[LoadReport]:
