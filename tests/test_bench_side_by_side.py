@@ -509,7 +509,9 @@ def test_floor_is_measured_once_per_workload_on_the_baseline(monkeypatch: pytest
     for name, f in floors.items():
         # alone, the fake answers after 0.05 s and then every 0.004 s: the floor sees exactly that
         assert f["requests"] == 5 and 0.05 <= f["mean_s"] < 0.2 and 0.05 <= f["median_s"] < 0.2
-        assert 0.004 <= f["tpot_mean_s"] < 0.03
+        # TPOT is (JCT - TTFT) / (tokens - 1) as the client sees it: a first token read late (a busy host) shortens
+        # it, so only the JCT below is held to the fake's exact timing
+        assert 0.002 <= f["tpot_mean_s"] < 0.03
         want_jct = 0.05 + 0.004 * (sum(outputs[name]) / 5 - 1)  # ttft + itl * (tokens - 1), mean over requests
         assert want_jct <= f["jct_mean_s"] < want_jct + 0.15
     # floor requests (tagged user="floor") ran only on colocated, once per workload over both fractions and
