@@ -4,6 +4,7 @@ scheduler to a decode scheduler sharing one KV cache (``PrefillScheduler.keep`` 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from tetriinfer.core.keep_decode import (
     keep_commitment,
     keep_row,
     kv_peak_blocks,
+    prompt_only_instance,
     should_keep,
 )
 from tetriinfer.core.kv_cache_manager import KVCacheManager
@@ -243,3 +245,18 @@ def test_keep_row_is_the_context_now_and_what_max_tokens_may_still_add_within_th
     assert keep_row(req, 120) == (100, 20)
     req.append_output(1)
     assert keep_row(req, 4096) == (101, 49)
+
+
+def test_the_first_of_two_or_more_prefill_instances_is_prompt_only_and_a_lone_one_keeps() -> None:
+    assert prompt_only_instance(["p1", "p0"]) == "p0"
+    assert prompt_only_instance(["p0", "p1", "p2"]) == "p0"
+    assert prompt_only_instance(["p0"]) is None and prompt_only_instance([]) is None
+    cfg = KeepDecodeConfig(enabled=True, rule="cost")
+    assert cfg.prompt_instance and not KeepDecodeConfig(rule="ratio").prompt_instance
+    loads = [LoadReport("d0", Role.DECODE, num_running=6, num_free_blocks=10, num_used_blocks=190, block_size=16)]
+    args: dict = {"own_running": 0, "own_queued": 0, "own_committed_blocks": 0, "request_blocks": 4,
+                  "pool_blocks": 100, "decode_loads": loads}
+    assert not should_keep(cfg, instance_id="p0", prefill_ids=["p0", "p1"], **args)  # prompts never wait here
+    assert should_keep(cfg, instance_id="p1", prefill_ids=["p0", "p1"], **args)
+    assert should_keep(cfg, instance_id="p0", prefill_ids=["p0"], **args)  # a lone prefill instance keeps
+    assert should_keep(replace(cfg, prompt_instance=False), instance_id="p0", prefill_ids=["p0", "p1"], **args)

@@ -649,3 +649,20 @@ def test_cache_aware_prefill_order_flag_reaches_the_runtime_spec_and_the_simulat
         sim = SimCluster(SimConfig(cc, num_kv_blocks=100, kv_bytes_per_token=8192, max_model_len=2048), COST)
         prefill = next(i for i in sim.instances.values() if isinstance(i, SimPrefill))
         assert prefill.scheduler.config.cache_aware_order is want
+
+
+def test_kept_decodes_stay_off_the_prompt_only_prefill_instance() -> None:
+    """2 prefill + 2 decode with cost-based keep-decode: the first prefill instance keeps nothing (prompts routed
+    there never wait behind a decode step), the other keeps; ``--no-prompt-only-prefill`` lets both keep."""
+    wl = load_workload("lphd", 80, 6.0, 3, max_prompt_tokens=512, max_output_tokens=200)
+    kept_at = {}
+    for prompt_only in (None, False):
+        cc = ClusterConfig(model="sim", mode="tetriinfer", prefill_instances=2, decode_instances=2, keep_decode=True,
+                           keep_decode_rule="cost", prompt_only_prefill=prompt_only, block_size=16)
+        cluster = SimCluster(SimConfig(cc, num_kv_blocks=400, kv_bytes_per_token=8192, max_model_len=2048), COST)
+        res = cluster.run(wl)
+        check_run(wl, res.records)
+        kept_at[prompt_only] = {r.decode_instance for r in cluster.policy.records()
+                                if r.decode_instance is not None and r.decode_instance.startswith("prefill")}
+    assert kept_at[None] == {"prefill-1"}
+    assert kept_at[False] == {"prefill-0", "prefill-1"}

@@ -35,6 +35,14 @@ partly idle while requests wait for a decode slot (bursts of long prompts with l
 Both are upper bounds on what the kept decodes will hold (``max_tokens`` bounds each request's length), so
 neither lets kept decodes preempt each other.
 
+A prompt-only prefill instance (``KeepDecodeConfig.prompt_instance``, on by default under the cost rule): with two or
+more ACTIVE prefill instances, the first of them in id order (``prompt_only_instance``) keeps no decodes. A prefill
+instance that keeps decodes steps them whenever no prompt is queued, so a prompt that reaches it waits for the
+decode step in flight (about a whole weight read on an accelerator, ~22 ms for a 13B model on an A100) and its
+chunks carry the kept rows; the least-loaded routing (``core.load.load_key``) sends a prompt to the instance holding
+fewer prefilled requests when backlogs tie, i.e. to the prompt-only one when it is free. One prefill instance cannot
+be spared (a single one keeps as before).
+
 Invariants: pure (``decode_loads`` and counts are passed in); never keeps while prompts wait here; never
 commits more than ``max_kv_fraction`` (``cost_max_kv_fraction`` under the cost rule) of the pool to kept
 decodes.
@@ -66,12 +74,16 @@ class KeepDecodeConfig:
     cost_max_kv_fraction: float = 0.9
     # what kept decodes commit of the pool (module docstring): full | peak; None: peak under the cost rule, else full
     commitment: str | None = None
+    # one of two or more prefill instances keeps no decodes (module docstring); None: on under the cost rule
+    prompt_instance: bool | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in KEEP_RULES:
             raise ValueError(f"keep-decode rule must be one of {', '.join(KEEP_RULES)}, got {self.rule!r}")
         if self.commitment is None:
             object.__setattr__(self, "commitment", "peak" if self.rule == "cost" else "full")
+        if self.prompt_instance is None:
+            object.__setattr__(self, "prompt_instance", self.rule == "cost")
         if self.commitment not in KEEP_COMMITMENTS:
             raise ValueError(f"keep-decode commitment must be one of {', '.join(KEEP_COMMITMENTS)}, "
                              f"got {self.commitment!r}")
@@ -87,6 +99,14 @@ class KeepDecodeConfig:
             raise ValueError(f"keep-decode max_running must be >= 1, got {self.max_running}")
         if not 0.0 < self.max_kv_fraction <= 1.0:
             raise ValueError(f"keep-decode max_kv_fraction must be in (0, 1], got {self.max_kv_fraction}")
+
+
+def prompt_only_instance(prefill_ids: Iterable[str]) -> str | None:
+    """The prefill instance that keeps no decodes under ``KeepDecodeConfig.prompt_instance``: the first of the ACTIVE
+    prefill instances ``prefill_ids`` in id order when there are two or more, else None (a lone prefill instance
+    keeps)."""
+    ids = sorted(set(prefill_ids))
+    return ids[0] if len(ids) >= 2 else None
 
 
 def keep_row(req: Request, max_model_len: int) -> tuple[int, int]:
@@ -140,14 +160,21 @@ def should_keep(
     pool_blocks: int,
     decode_loads: Sequence[LoadReport],
     views: DecodeViews | None = None,
+    instance_id: str | None = None,
+    prefill_ids: Sequence[str] = (),
 ) -> bool:
     """Keep this just-prefilled request here? ``own_committed_blocks`` = blocks the kept decodes need at full
     length; ``request_blocks`` = this request's blocks at full length (prompt + max_tokens).
 
     ``views``: the dispatcher's (``Dispatcher.views``): the ACTIVE decode instances and the least loaded of them
     are then read from the view of ``decode_loads`` (O(1) once known, also after ``Dispatcher.charge``) instead
-    of a sort and a scan per request; the decision is the same either way."""
+    of a sort and a scan per request; the decision is the same either way.
+
+    ``instance_id`` / ``prefill_ids``: this instance and the ACTIVE prefill instances as the monitor last reported
+    them; under ``config.prompt_instance`` the ``prompt_only_instance`` of them keeps nothing."""
     if not config.enabled or own_queued > 0 or own_running >= config.max_running or pool_blocks < 1:
+        return False
+    if config.prompt_instance and instance_id is not None and instance_id == prompt_only_instance(prefill_ids):
         return False
     cap = config.cost_max_kv_fraction if config.rule == "cost" else config.max_kv_fraction
     if own_committed_blocks + request_blocks > cap * pool_blocks:

@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from tetriinfer.core.flip_policy import FlipAction
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
-from tetriinfer.core.load import LoadReport, Role
+from tetriinfer.core.load import InstanceState, LoadReport, Role
 from tetriinfer.core.membership import Membership, MemberState
 from tetriinfer.core.migration import MIGRATION_ROLES, MigrationPlanner
 from tetriinfer.core.pd_controller import PDController
@@ -473,7 +473,7 @@ class ClusterEngineClient:
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             heavy_decode_tokens=c.heavy_decode_tokens, keep_decode=pol.keep_decode,
             keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,
-            dispatch_when_full=c.dispatch_when_full, kv_backend=c.kv_backend, kv_rank=index,
+            prompt_only_prefill=c.prompt_only_prefill, dispatch_when_full=c.dispatch_when_full, kv_backend=c.kv_backend, kv_rank=index,
             kv_world_size=len(c.roles()), kv_init_method=self._kv_init_method, kv_transfer=c.kv_transfer, kv_handoff=c.kv_handoff,
             link_bandwidth=c.link_bandwidth,
             transfer_timeout_s=c.transfer_timeout_s, transfer_attempts=c.transfer_attempts,
@@ -931,7 +931,9 @@ class ClusterEngineClient:
             for w in decode_loads:
                 rep = annotated.get(w.instance_id, load_from_wire(w))
                 payload.append(encode_load(wire_load(replace(rep), w.busy_s, w.steps)))
-            msg = encode(DecodeLoads(payload))
+            prefill_ids = sorted(r.instance_id for r in loads
+                                 if r.role is Role.PREFILL and r.state is InstanceState.ACTIVE)
+            msg = encode(DecodeLoads(payload, prefill_ids))
             for info in self.instances.values():
                 if info.role == "prefill" and info.socket is not None and info.alive:
                     await info.socket.send(msg)

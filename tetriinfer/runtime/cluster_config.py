@@ -96,6 +96,8 @@ class ClusterConfig:
     flip_decode_load: str = "busy"  # core.flip_policy.FlipConfig.decode_load: busy | kv | inflation
     pd_controller: str = "paper"  # core.pd_controller policy choosing flips (with flip on): adaptive | paper | static
     keep_decode_rule: str = "ratio"  # core.keep_decode.KeepDecodeConfig.rule: ratio | cost
+    # one of 2+ prefill instances keeps no decodes (KeepDecodeConfig.prompt_instance); None: on under the cost rule
+    prompt_only_prefill: bool | None = None
     dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty: wait | least-loaded
     report_interval_s: float = 0.1
     cores_per_instance: int = 1

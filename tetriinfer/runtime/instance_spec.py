@@ -53,6 +53,7 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     keep_decode: bool = False  # prefill role: decode some requests here when the decode tier is busier
     keep_decode_ratio: float = 0.5  # core.keep_decode.KeepDecodeConfig.ratio
     keep_decode_rule: str = "ratio"  # core.keep_decode.KeepDecodeConfig.rule
+    prompt_only_prefill: bool | None = None  # core.keep_decode.KeepDecodeConfig.prompt_instance
     dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty
     # transfer
     kv_backend: str = "tcp"

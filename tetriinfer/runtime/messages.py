@@ -86,9 +86,11 @@ class PeerTable(msgspec.Struct, tag=True, frozen=True):
 
 
 class DecodeLoads(msgspec.Struct, tag=True, frozen=True):
-    """The monitor's aggregated decode load, broadcast to prefill instances."""
+    """The monitor's aggregated decode load, broadcast to prefill instances, with the ACTIVE prefill instances' ids
+    (``core.keep_decode.prompt_only_instance`` picks the one that keeps no decodes from them)."""
 
     reports: list[bytes]  # encoded WireLoad values
+    prefill_ids: list[str] = []
 
 
 class SetRole(msgspec.Struct, tag=True, frozen=True):

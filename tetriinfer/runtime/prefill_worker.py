@@ -114,6 +114,7 @@ class PrefillWorker:
                              alpha_empty=spec.dispatch_when_full)
         )
         self.decode_loads: list[LoadReport] = []
+        self.prefill_ids: list[str] = []  # ACTIVE prefill instances, as the monitor last broadcast them
         hold = hold_config_from_env()  # test-only fault injection (runtime.fault_hooks); None unless asked for
         self.send_hold = SendHold(hold, ctx.instance_id) if hold is not None else None
         self.staged: dict[str, StagedKV] = {}
@@ -126,7 +127,7 @@ class PrefillWorker:
         self.awaiting_dispatch: deque[str] = deque()
         self.oracle: dict[str, int] = {}
         self.keep_config = KeepDecodeConfig(enabled=spec.keep_decode, ratio=spec.keep_decode_ratio,
-                                            rule=spec.keep_decode_rule)
+                                            rule=spec.keep_decode_rule, prompt_instance=spec.prompt_only_prefill)
         self.kept = DecodeScheduler(  # requests decoded here (keep_decode); shares this instance's KV blocks
             DecodeSchedulerConfig(
                 policy="greedy", max_num_seqs=spec.max_num_seqs, max_model_len=ctx.max_model_len,
@@ -141,6 +142,7 @@ class PrefillWorker:
             self._on_new(msg)
         elif isinstance(msg, DecodeLoads):
             self.decode_loads = [load_from_wire(decode_load(b)) for b in msg.reports]
+            self.prefill_ids = list(msg.prefill_ids)
         elif isinstance(msg, KVReady):
             self._on_kv_ready(msg)
         elif isinstance(msg, KVDone):
@@ -349,7 +351,8 @@ class PrefillWorker:
         return should_keep(
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
             own_queued=self.scheduler.num_queued, own_committed_blocks=own, request_blocks=blocks,
-            pool_blocks=kv.num_blocks, decode_loads=self.decode_loads,
+            pool_blocks=kv.num_blocks, decode_loads=self.decode_loads, instance_id=self.ctx.instance_id,
+            prefill_ids=self.prefill_ids,
         )
 
     def _try_keep(self, req: Request) -> bool:

@@ -120,7 +120,7 @@ class SimConfig:
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, heavy_decode_tokens=c.heavy_decode_tokens,
             keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,
-            dispatch_when_full=c.dispatch_when_full, seed=c.seed + index,
+            prompt_only_prefill=c.prompt_only_prefill, dispatch_when_full=c.dispatch_when_full, seed=c.seed + index,
         )
 
 
@@ -525,10 +525,13 @@ class SimCluster:
             for mig in self.migration.plan(reports, roles, evacuate):
                 self.instances[mig.source].at_step_boundary(lambda mig=mig: self._migrate(mig))
         decode_loads = [r for r in reports if r.role is Role.DECODE]
+        prefill_ids = tuple(sorted(r.instance_id for r in reports
+                                   if r.role is Role.PREFILL and r.state is InstanceState.ACTIVE))
         kicked: list[SimInstance] = []
         for inst in self.instances.values():
             if isinstance(inst, SimPrefill):
                 inst.decode_loads = decode_loads  # shared: a dispatcher's charges make it a new list, never mutate
+                inst.prefill_ids = prefill_ids
                 if inst.claim_start():  # kicked: dispatches waiting for a decode instance retry on fresh loads
                     kicked.append(inst)
         if kicked:  # one event for the back-to-back start events the kicks would queue (nothing runs between them)

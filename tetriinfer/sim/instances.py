@@ -100,6 +100,7 @@ class InstancePolicies:
     keep_decode: bool = False
     keep_decode_ratio: float = 0.5
     keep_decode_rule: str = "ratio"
+    prompt_only_prefill: bool | None = None
     dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty
     seed: int = 0
 
@@ -532,13 +533,14 @@ class SimPrefill(SimInstance):
                                                       alpha_empty=pol.dispatch_when_full),
                                      views=getattr(host, "decode_views", None))  # shared: one broadcast, one view
         self.keep_config = KeepDecodeConfig(enabled=pol.keep_decode, ratio=pol.keep_decode_ratio,
-                                            rule=pol.keep_decode_rule)
+                                            rule=pol.keep_decode_rule, prompt_instance=pol.prompt_only_prefill)
         self.kept = DecodeScheduler(
             DecodeSchedulerConfig(policy="greedy", max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len,
                                   heavy_decode_tokens=pol.heavy_decode_tokens),
             kv,
         )
         self.decode_loads: list[LoadReport] = []  # the monitor's latest broadcast (+ this dispatcher's charges)
+        self.prefill_ids: tuple[str, ...] = ()  # ACTIVE prefill instances, with that broadcast
         self.awaiting: deque[tuple[Request, int]] = deque()  # staged, no decode instance chosen yet
         self.staged: set[str] = set()  # KV held in staging until the decode side has it
         self._parts: tuple[SchedulerOutput | None, SchedulerOutput | None] = (None, None)
@@ -616,6 +618,7 @@ class SimPrefill(SimInstance):
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
             own_queued=self.scheduler.num_queued, own_committed_blocks=own, request_blocks=blocks,
             pool_blocks=self.kv.num_blocks, decode_loads=self.decode_loads, views=self.dispatcher.views,
+            instance_id=self.iid, prefill_ids=self.prefill_ids,
         )
 
     def _try_keep(self, req: Request) -> bool:
