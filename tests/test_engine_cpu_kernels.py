@@ -436,25 +436,31 @@ def test_decode_attention_matches_fp32_reference(heads: int, kv_heads: int, head
 
 @needs_avx512
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (10, 2, 256),
-                                                             (14, 2, 64), (24, 3, 96)])
-def test_grouped_bf16_decode_attention_matches_the_reference_and_itself_on_threads(heads: int, kv_heads: int,
-                                                                                   head_dim: int) -> None:
-    """The grouped AVX-512 BF16 kernel (one work item per sequence and kv head): every 16-key tile tail, an empty
-    context, 1 to 8 query heads per kv head; the same bits on 1, 2 and 3 threads."""
-    assert cpu_kernels.grouped_decode_attn_ok(heads, kv_heads, head_dim)
+                                                             (14, 2, 64), (24, 3, 96), (6, 3, 16), (8, 1, 48)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_decode_attention_matches_the_reference_and_itself_on_threads(heads: int, kv_heads: int,
+                                                                              head_dim: int, dtype: torch.dtype) -> None:
+    """The grouped AVX-512 kernels (one work item per sequence and kv head), bf16 and fp32: every 16-key tile tail,
+    an empty context, 1 to 8 query heads per kv head; the same bits on 1, 2 and 3 threads. fp32 within fp32
+    rounding of the reference; head dims that are not a multiple of 32 are fp32-only (bf16 keeps the AVX2 kernel)."""
+    if dtype == torch.bfloat16 and head_dim % 32:
+        assert not cpu_kernels.grouped_decode_attn_ok(heads, kv_heads, head_dim, dtype)
+        return
+    assert cpu_kernels.grouped_decode_attn_ok(heads, kv_heads, head_dim, dtype)
     g = torch.Generator().manual_seed(heads * 1000 + head_dim)
     slots_total = 400
-    kc = (2 * torch.randn(slots_total, kv_heads, head_dim, generator=g)).bfloat16()
-    vc = torch.randn(slots_total, kv_heads, head_dim, generator=g).bfloat16()
+    kc = (2 * torch.randn(slots_total, kv_heads, head_dim, generator=g)).to(dtype)
+    vc = torch.randn(slots_total, kv_heads, head_dim, generator=g).to(dtype)
     lengths = torch.tensor([1, 15, 16, 17, 33, 0, 150, 47])
     slots = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)
     for i, n in enumerate(lengths.tolist()):
         slots[i, :n] = torch.randperm(slots_total, generator=g)[:n]
-    q = torch.randn(len(lengths), heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
     one = cpu_kernels.decode_attn(q, kc, vc, slots, lengths, num_threads=1)
+    assert one.dtype == dtype
     want = attention_reference(q, kc, vc, slots, lengths.clamp_min(1))
     want[lengths == 0] = 0.0  # no keys: zeros, as the AVX2 kernel writes
-    tol = want.abs().clamp_min(1e-2) * 2.0**-7 + 1e-4
+    tol = want.abs().clamp_min(1e-2) * 2.0**-7 + 1e-4 if dtype == torch.bfloat16 else want.abs() * 1e-5 + 1e-5
     assert bool(((one.float() - want).abs() <= tol).all())
     for t in (2, 3):
         assert torch.equal(cpu_kernels.decode_attn(q, kc, vc, slots, lengths, num_threads=t), one), t
@@ -468,6 +474,9 @@ def test_grouped_decode_attention_takes_only_the_shapes_it_was_written_for() -> 
     assert not cpu_kernels.grouped_decode_attn_ok(9, 3, 48)  # head_dim not a multiple of 32
     assert not cpu_kernels.grouped_decode_attn_ok(8, 2, 512)  # head_dim past 256
     assert not cpu_kernels.grouped_decode_attn_ok(18, 2, 64)  # 9 query heads per kv head
+    assert cpu_kernels.grouped_decode_attn_ok(9, 3, 48, torch.float32)  # fp32: a multiple of 16 suffices
+    assert not cpu_kernels.grouped_decode_attn_ok(9, 3, 40, torch.float32)
+    assert not cpu_kernels.grouped_decode_attn_ok(18, 2, 64, torch.float32)
 
 
 @needs_kernel

@@ -234,6 +234,7 @@ def _load_avx512() -> ctypes.CDLL | None:
         fn32 = dll.tetri_gemm_f32_avx512
         attn = dll.tetri_prefill_attn_bf16
         gqa = dll.tetri_decode_attn_gqa_bf16
+        gqa32 = dll.tetri_decode_attn_gqa_f32
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("AVX-512 BF16 matmul unavailable (%s %s): the other kernels are used", e,
@@ -245,8 +246,9 @@ def _load_avx512() -> ctypes.CDLL | None:
     attn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
                      + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64])
     attn.restype = ctypes.c_int
-    gqa.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
-    gqa.restype = ctypes.c_int
+    for f in (gqa, gqa32):
+        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
+        f.restype = ctypes.c_int
     dll.threaded = _threaded(dll, "tetri_avx512_openmp")
     return dll
 
@@ -384,13 +386,14 @@ def argmax_rows(x: torch.Tensor, num_threads: int | None = None) -> list[int]:
     return out.tolist()
 
 
-GQA_DECODE_MAX_GROUP = 8  # query heads per kv head the grouped bf16 decode kernel takes (its accumulators)
+GQA_DECODE_MAX_GROUP = 8  # query heads per kv head the grouped decode kernels take (their accumulators)
 
 
-def grouped_decode_attn_ok(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether a bf16 `decode_attn` of this shape takes the grouped AVX-512 BF16 kernel (else the AVX2 one)."""
-    return (head_dim % 32 == 0 and head_dim <= 256 and heads // kv_heads <= GQA_DECODE_MAX_GROUP
-            and _load_avx512() is not None)
+def grouped_decode_attn_ok(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a `decode_attn` of this shape and dtype takes a grouped AVX-512 kernel (else the AVX2 one): bf16
+    head dims a multiple of 32, fp32 a multiple of 16, at most 256."""
+    return (head_dim % (32 if dtype == torch.bfloat16 else 16) == 0 and head_dim <= 256
+            and heads // kv_heads <= GQA_DECODE_MAX_GROUP and _load_avx512() is not None)
 
 
 def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -398,8 +401,9 @@ def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     """q [B, H, D]; k_cache, v_cache [S, Hkv, D] (bf16 or fp32, as q); slots [B, L] int64 (row b: its first
     lengths[b] entries are its context's slots); lengths [B] int64 -> [B, H, D] in q's dtype (softmax(q k^T /
     sqrt(D)) v per head, grouped-query, fp32 math); (sequence, head) pairs split over up to ``num_threads`` threads
-    (default torch's count; bit-identical for any count). bf16 shapes that `grouped_decode_attn_ok` accepts take the
-    AVX-512 BF16 kernel: (sequence, kv head) pairs, scores from vdpbf16ps (exact products, fp32 sums). Call only
+    (default torch's count; bit-identical for any count). Shapes that `grouped_decode_attn_ok` accepts take an
+    AVX-512 kernel over (sequence, kv head) pairs: bf16 scores from vdpbf16ps (exact products, fp32 sums), fp32 from
+    16-lane FMAs, each K and V row read once for all the query heads of its group. Call only
     when `kernels_available()`; contiguous CPU tensors. Slots must lie in [0, S) (the engine's own block tables; not checked per call)."""
     dll = _load()
     assert dll is not None
@@ -413,9 +417,9 @@ def decode_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                          f"{k_cache.dtype}, slots {tuple(slots.shape)} {slots.dtype}, lengths {tuple(lengths.shape)}")
     out = torch.empty_like(q)
     fn = dll.tetri_decode_attn_f32 if q.dtype == torch.float32 else dll.tetri_decode_attn_bf16
-    if q.dtype == torch.bfloat16 and grouped_decode_attn_ok(h, hkv, d):
+    if grouped_decode_attn_ok(h, hkv, d, q.dtype):
         dll = _load_avx512()
-        fn = dll.tetri_decode_attn_gqa_bf16
+        fn = dll.tetri_decode_attn_gqa_f32 if q.dtype == torch.float32 else dll.tetri_decode_attn_gqa_bf16
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
             out.data_ptr(), b, h, hkv, d, length, d ** -0.5, _threads(dll, num_threads))
     if rc != 0:
@@ -480,10 +484,12 @@ def decode_attn_address(dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
     """The C entry point `decode_attn` calls for queries of ``dtype`` and this head shape."""
     dll = _load()
     assert dll is not None
+    if grouped_decode_attn_ok(heads, kv_heads, head_dim, dtype):
+        avx = _load_avx512()
+        assert avx is not None
+        return _address(avx.tetri_decode_attn_gqa_f32 if dtype == torch.float32 else avx.tetri_decode_attn_gqa_bf16)
     if dtype == torch.float32:
         return _address(dll.tetri_decode_attn_f32)
-    if grouped_decode_attn_ok(heads, kv_heads, head_dim):
-        return _address(_load_avx512().tetri_decode_attn_gqa_bf16)  # type: ignore[union-attr]
     return _address(dll.tetri_decode_attn_bf16)
 
 
