@@ -90,3 +90,25 @@ def test_the_kept_blocks_hold_the_staged_bytes() -> None:
         assert not wire
     finally:
         backend.shutdown()
+
+
+@pytest.mark.parametrize("prefill_ids", [["p", "q"], ["o", "p"], ["p"]])
+def test_the_prompt_only_prefill_instance_named_by_the_broadcast_keeps_nothing(prefill_ids: list[str]) -> None:
+    """The monitor's ``DecodeLoads`` names the ACTIVE prefill instances; the first of two or more keeps no decode
+    (``core.keep_decode.prompt_only_instance``), the others and a lone one keep as before."""
+    from tetriinfer.runtime.messages import DecodeLoads, encode_load
+    from tetriinfer.runtime.worker_base import wire_load
+
+    wire: deque = deque()
+    worker, _, front, backend = prefill_node("wait", wire)
+    try:
+        params = WireParams.from_params(SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+        worker.handle(DecodeLoads([encode_load(wire_load(FULL_DECODE, 0.0, 0))], prefill_ids))
+        assert worker.prefill_ids == prefill_ids
+        worker.handle(NewRequest("one", [3] * 30, params, 0.0))
+        for _ in range(3):
+            worker.step()
+        kept = "one" in worker.kept.requests or any(isinstance(m, Dispatched) and m.decode_id == "p" for m in front)
+        assert kept == (prefill_ids != ["p", "q"])
+    finally:
+        backend.shutdown()
