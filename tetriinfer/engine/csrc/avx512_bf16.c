@@ -189,43 +189,47 @@ static inline __attribute__((always_inline)) void tile_any(const uint16_t *xr, c
 #define L1_ROWS_BYTES (28 * 1024)
 #define PANEL_ROWS 512
 
+/* The body of gemm_cols / gemm_cols_f32 (element type T, their tile functions): see the loop order above. */
+#define GEMM_COLS_BODY(T, TILE_ANY, TILE_BY_ROW)                                                                      \
+    /* ceil(M / TR) passes of near-equal size (8 rows: 4 + 4, not 6 + 2: a thin pass is load-bound) */                \
+    int64_t passes = (M + TR - 1) / TR;                                                                               \
+    if (M > ROW_ORDER_MAX_ROWS && (M + 4) * K * (int64_t)sizeof(T) > L1_ROWS_BYTES) { /* x does not stay in L1: panel order */ \
+        for (int64_t p0 = lo; p0 < hi; p0 += PANEL_ROWS) {                                                            \
+            int64_t p1 = hi - p0 < PANEL_ROWS ? hi : p0 + PANEL_ROWS;                                                 \
+            for (int64_t p = 0, m0 = 0; p < passes; p++) {                                                            \
+                int R = (int)(M / passes + (p < M % passes));                                                         \
+                for (int64_t n0 = p0; n0 < p1; n0 += 4) {                                                             \
+                    int NB = p1 - n0 < 4 ? (int)(p1 - n0) : 4;                                                        \
+                    const T *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;                                          \
+                    const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL; \
+                    TILE_ANY(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);                                   \
+                }                                                                                                     \
+                m0 += R;                                                                                              \
+            }                                                                                                         \
+        }                                                                                                             \
+        return;                                                                                                       \
+    }                                                                                                                 \
+    for (int64_t n0 = lo; n0 < hi; n0 += 4) {                                                                         \
+        int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;                                                                    \
+        const T *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;                                                      \
+        if (NB == 4 && M <= ROW_ORDER_MAX_ROWS) {                                                                     \
+            if (M == 1) TILE_BY_ROW(x, wr, br, y + n0, N, K, 1, NULL);                                                \
+            else if (M == 2) TILE_BY_ROW(x, wr, br, y + n0, N, K, 2, NULL);                                           \
+            else TILE_BY_ROW(x, wr, br, y + n0, N, K, 3, n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL); \
+            continue;                                                                                                 \
+        }                                                                                                             \
+        for (int64_t p = 0, m0 = 0; p < passes; p++) {                                                                \
+            int R = (int)(M / passes + (p < M % passes));                                                             \
+            const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;      \
+            TILE_ANY(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);                                           \
+            m0 += R;                                                                                                  \
+        }                                                                                                             \
+    }
+
 /* Weight rows [lo, hi) of the matmul (lo a multiple of 4): the groups of 4 a single thread would form. */
 static void gemm_cols(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                       int64_t K, int64_t lo, int64_t hi) {
-    /* ceil(M / TR) passes of near-equal size (8 rows: 4 + 4, not 6 + 2: a thin pass is load-bound) */
-    int64_t passes = (M + TR - 1) / TR;
-    if (M > ROW_ORDER_MAX_ROWS && (M + 4) * K * 2 > L1_ROWS_BYTES) { /* x does not stay in L1: panel order */
-        for (int64_t p0 = lo; p0 < hi; p0 += PANEL_ROWS) {
-            int64_t p1 = hi - p0 < PANEL_ROWS ? hi : p0 + PANEL_ROWS;
-            for (int64_t p = 0, m0 = 0; p < passes; p++) {
-                int R = (int)(M / passes + (p < M % passes));
-                for (int64_t n0 = p0; n0 < p1; n0 += 4) {
-                    int NB = p1 - n0 < 4 ? (int)(p1 - n0) : 4;
-                    const uint16_t *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
-                    const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
-                    tile_any(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
-                }
-                m0 += R;
-            }
-        }
-        return;
-    }
-    for (int64_t n0 = lo; n0 < hi; n0 += 4) {
-        int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;
-        const uint16_t *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
-        if (NB == 4 && M <= ROW_ORDER_MAX_ROWS) {
-            if (M == 1) tile_by_row(x, wr, br, y + n0, N, K, 1, NULL);
-            else if (M == 2) tile_by_row(x, wr, br, y + n0, N, K, 2, NULL);
-            else tile_by_row(x, wr, br, y + n0, N, K, 3, n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL);
-            continue;
-        }
-        for (int64_t p = 0, m0 = 0; p < passes; p++) {
-            int R = (int)(M / passes + (p < M % passes));
-            const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
-            tile_any(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
-            m0 += R;
-        }
-    }
+    GEMM_COLS_BODY(uint16_t, tile_any, tile_by_row)
 }
 
 /* Weight rows per thread below which a matmul is not split (the fork / join costs ~1 us, 64 rows of 576 take ~3). */
@@ -351,39 +355,7 @@ static inline __attribute__((always_inline)) void tile_any_f32(const float *xr, 
 
 static void gemm_cols_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                           int64_t K, int64_t lo, int64_t hi) {
-    int64_t passes = (M + TR - 1) / TR;
-    if (M > ROW_ORDER_MAX_ROWS && (M + 4) * K * 4 > L1_ROWS_BYTES) { /* x does not stay in L1: panel order */
-        for (int64_t p0 = lo; p0 < hi; p0 += PANEL_ROWS) {
-            int64_t p1 = hi - p0 < PANEL_ROWS ? hi : p0 + PANEL_ROWS;
-            for (int64_t p = 0, m0 = 0; p < passes; p++) {
-                int R = (int)(M / passes + (p < M % passes));
-                for (int64_t n0 = p0; n0 < p1; n0 += 4) {
-                    int NB = p1 - n0 < 4 ? (int)(p1 - n0) : 4;
-                    const float *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
-                    const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
-                    tile_any_f32(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
-                }
-                m0 += R;
-            }
-        }
-        return;
-    }
-    for (int64_t n0 = lo; n0 < hi; n0 += 4) {
-        int NB = hi - n0 < 4 ? (int)(hi - n0) : 4;
-        const float *wr = w + n0 * K, *br = bias ? bias + n0 : NULL;
-        if (NB == 4 && M <= ROW_ORDER_MAX_ROWS) {
-            if (M == 1) tile_by_row_f32(x, wr, br, y + n0, N, K, 1, NULL);
-            else if (M == 2) tile_by_row_f32(x, wr, br, y + n0, N, K, 2, NULL);
-            else tile_by_row_f32(x, wr, br, y + n0, N, K, 3, n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL);
-            continue;
-        }
-        for (int64_t p = 0, m0 = 0; p < passes; p++) {
-            int R = (int)(M / passes + (p < M % passes));
-            const char *pf = m0 == 0 && n0 + 4 * PF_GROUPS < hi ? (const char *)(wr + 4 * PF_GROUPS * K) : NULL;
-            tile_any_f32(x + m0 * K, wr, br, y + m0 * N + n0, N, K, NB, R, pf);
-            m0 += R;
-        }
-    }
+    GEMM_COLS_BODY(float, tile_any_f32, tile_by_row_f32)
 }
 
 /* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all fp32; up to nthreads threads. Returns 0. */
@@ -625,35 +597,51 @@ static inline __m512 widen16(const uint16_t *p) { /* 16 bf16 -> 16 fp32 (exact) 
  * KV out of cache, 1.6x slower than with it). */
 #define GQA_PREFETCH_KEYS 32
 
-static inline void gqa_prefetch(const uint16_t *kc, const uint16_t *vc, int64_t s, int64_t row, int64_t hk,
-                                int64_t D) { /* slot s's K and V rows of kv head hk */
-    const char *k = (const char *)(kc + s * row + hk * D), *v = (const char *)(vc + s * row + hk * D);
-    for (int64_t off = 0; off < D * 2; off += 64) {
+/* The grouped decode kernels below take bf16 (F32 = 0) or fp32 (F32 = 1) queries and caches; F32 is a compile-time
+ * constant after inlining, so each entry point gets its own code. ESZ: bytes per element. */
+#define ESZ(F32) ((F32) ? 4 : 2)
+
+static inline __attribute__((always_inline)) void gqa_prefetch(const char *kc, const char *vc, int64_t s,
+                                                                int64_t row, int64_t hk, int64_t D, int F32) {
+    /* slot s's K and V rows of kv head hk */
+    const char *k = kc + (s * row + hk * D) * ESZ(F32), *v = vc + (s * row + hk * D) * ESZ(F32);
+    for (int64_t off = 0; off < D * ESZ(F32); off += 64) {
         _mm_prefetch(k + off, _MM_HINT_T1);
         _mm_prefetch(v + off, _MM_HINT_T1);
     }
 }
 
-/* sc[g][l] = scale * q_g . k_l for the n keys (slots sl) of kv head hk, g < G; q0: query head hk * G's row. */
-static inline void gqa_scores(const uint16_t *q0, const uint16_t *kc, const uint16_t *vc, const int64_t *sl,
-                              int64_t n, int64_t row, int64_t hk, int64_t G, int64_t D, float scale, float *sc,
-                              int64_t npad) {
-    const int64_t nd = D / 32;
-    for (int64_t l = 0; l < n && l < GQA_PREFETCH_KEYS; l++) gqa_prefetch(kc, vc, sl[l], row, hk, D);
+/* sc[g][l] = scale * q_g . k_l for the n keys (slots sl) of kv head hk, g < G; q0: query head hk * G's row. bf16: 32
+ * dims per vdpbf16ps (exact products, fp32 sums); fp32: 16 per FMA. */
+static inline __attribute__((always_inline)) void gqa_scores(const char *q0, const char *kc, const char *vc,
+                                                              const int64_t *sl, int64_t n, int64_t row, int64_t hk,
+                                                              int64_t G, int64_t D, float scale, float *sc,
+                                                              int64_t npad, int F32) {
+    const int64_t step = F32 ? 16 : 32, nd = D / step;
+    for (int64_t l = 0; l < n && l < GQA_PREFETCH_KEYS; l++) gqa_prefetch(kc, vc, sl[l], row, hk, D, F32);
     for (int64_t l0 = 0; l0 < n; l0 += 16) {
         const int64_t nk = n - l0 < 16 ? n - l0 : 16;
         for (int64_t l = l0 + GQA_PREFETCH_KEYS; l < n && l < l0 + GQA_PREFETCH_KEYS + 16; l++)
-            gqa_prefetch(kc, vc, sl[l], row, hk, D);
-        const uint16_t *kr[16];
-        for (int i = 0; i < 16; i++) kr[i] = kc + sl[l0 + (i < nk ? i : 0)] * row + hk * D; /* tail: key l0 again */
+            gqa_prefetch(kc, vc, sl[l], row, hk, D, F32);
+        const char *kr[16];
+        for (int i = 0; i < 16; i++) /* tail: key l0 again */
+            kr[i] = kc + (sl[l0 + (i < nk ? i : 0)] * row + hk * D) * ESZ(F32);
         const __mmask16 keep = nk == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nk) - 1);
         for (int64_t g = 0; g < G; g++) {
-            const uint16_t *qg = q0 + g * D;
+            const char *qg = q0 + g * D * ESZ(F32);
             __m512 a[16];
             for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
             for (int64_t t = 0; t < nd; t++) {
-                __m512bh qq = ld(qg + 32 * t);
-                for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], ld(kr[i] + 32 * t), qq);
+                const int64_t off = step * t * ESZ(F32);
+                if (F32) {
+                    __m512 qq = _mm512_loadu_ps((const float *)(qg + off));
+                    for (int i = 0; i < 16; i++)
+                        a[i] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(kr[i] + off)), qq, a[i]);
+                } else {
+                    __m512bh qq = ld((const uint16_t *)(qg + off));
+                    for (int i = 0; i < 16; i++)
+                        a[i] = _mm512_dpbf16_ps(a[i], ld((const uint16_t *)(kr[i] + off)), qq);
+                }
             }
             _mm512_mask_storeu_ps(sc + g * npad + l0, keep, _mm512_mul_ps(sum16x16(a), _mm512_set1_ps(scale)));
         }
@@ -682,17 +670,21 @@ static inline void gqa_softmax(float *s, int64_t n) {
 }
 
 /* out rows of the G query heads (o0: head hk * G's row) = sum_l p[g][l] v_l, dims [16 v0, 16 (v0 + nb)), nb <= NB;
- * G and NB are compile-time constants after inlining (G * NB <= 24 accumulators). */
-static inline __attribute__((always_inline)) void gqa_values(const float *p, int64_t npad, const uint16_t *vc,
+ * G and NB are compile-time constants after inlining (G * NB <= 24 accumulators). bf16 V rows widen to fp32 once
+ * (exact) and the output is rounded once; fp32 as is. */
+static inline __attribute__((always_inline)) void gqa_values(const float *p, int64_t npad, const char *vc,
                                                               const int64_t *sl, int64_t n, int64_t row, int64_t hk,
-                                                              int64_t D, int64_t v0, int nb, uint16_t *o0,
-                                                              const int G, const int NB) {
+                                                              int64_t D, int64_t v0, int nb, char *o0, const int G,
+                                                              const int NB, int F32) {
     __m512 acc[24];
     for (int i = 0; i < G * NB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l++) {
-        const uint16_t *vr = vc + sl[l] * row + hk * D + 16 * v0;
+        const char *vr = vc + (sl[l] * row + hk * D + 16 * v0) * ESZ(F32);
         __m512 vv[8];
-        for (int u = 0; u < NB; u++) vv[u] = u < nb ? widen16(vr + 16 * u) : _mm512_setzero_ps();
+        for (int u = 0; u < NB; u++)
+            vv[u] = u >= nb ? _mm512_setzero_ps()
+                    : F32   ? _mm512_loadu_ps((const float *)vr + 16 * u)
+                            : widen16((const uint16_t *)vr + 16 * u);
         for (int g = 0; g < G; g++) {
             __m512 pp = _mm512_set1_ps(p[g * npad + l]);
             for (int u = 0; u < NB; u++)
@@ -700,26 +692,31 @@ static inline __attribute__((always_inline)) void gqa_values(const float *p, int
         }
     }
     for (int g = 0; g < G; g++)
-        for (int u = 0; u < NB; u++)
-            if (u < nb)
-                _mm256_storeu_si256((__m256i *)(o0 + g * D + 16 * (v0 + u)),
-                                    (__m256i)_mm512_cvtneps_pbh(acc[g * NB + u]));
+        for (int u = 0; u < NB; u++) {
+            if (u >= nb) continue;
+            char *o = o0 + (g * D + 16 * (v0 + u)) * ESZ(F32);
+            if (F32)
+                _mm512_storeu_ps((float *)o, acc[g * NB + u]);
+            else
+                _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(acc[g * NB + u]));
+        }
 }
 
 #define GQA_VALUES(GC, NBC)                                                                                        \
     for (int64_t v0 = 0; v0 < nv; v0 += NBC)                                                                       \
-        gqa_values(sc, npad, vc, sl, n, row, hk, D, v0, nv - v0 < NBC ? (int)(nv - v0) : NBC, o0, GC, NBC);
+        gqa_values(sc, npad, vc, sl, n, row, hk, D, v0, nv - v0 < NBC ? (int)(nv - v0) : NBC, o0, GC, NBC, F32);
 
-static void gqa_item(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *sl, int64_t n,
-                     uint16_t *out, int64_t b, int64_t hk, int64_t H, int64_t G, int64_t Hkv, int64_t D, float scale,
-                     float *sc, int64_t npad) {
+static inline __attribute__((always_inline)) void gqa_item(const char *q, const char *kc, const char *vc,
+                                                            const int64_t *sl, int64_t n, char *out, int64_t b,
+                                                            int64_t hk, int64_t H, int64_t G, int64_t Hkv, int64_t D,
+                                                            float scale, float *sc, int64_t npad, int F32) {
     const int64_t row = Hkv * D, nv = D / 16;
-    uint16_t *o0 = out + (b * H + hk * G) * D;
+    char *o0 = out + (b * H + hk * G) * D * ESZ(F32);
     if (n <= 0) {
-        memset(o0, 0, (size_t)(G * D) * sizeof(uint16_t));
+        memset(o0, 0, (size_t)(G * D * ESZ(F32)));
         return;
     }
-    gqa_scores(q + (b * H + hk * G) * D, kc, vc, sl, n, row, hk, G, D, scale, sc, npad);
+    gqa_scores(q + (b * H + hk * G) * D * ESZ(F32), kc, vc, sl, n, row, hk, G, D, scale, sc, npad, F32);
     for (int64_t g = 0; g < G; g++) gqa_softmax(sc + g * npad, n);
     switch (G) {
         case 1: GQA_VALUES(1, 8) break;
@@ -733,9 +730,10 @@ static void gqa_item(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, 
     }
 }
 
-int tetri_decode_attn_gqa_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                               const int64_t *slots, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
-                               int64_t Hkv, int64_t D, int64_t L, float scale, int64_t nthreads) {
+static inline __attribute__((always_inline)) int gqa_attn(const char *q, const char *k_cache, const char *v_cache,
+                                                           const int64_t *slots, const int64_t *lengths, char *out,
+                                                           int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L,
+                                                           float scale, int64_t nthreads, int F32) {
     const int64_t G = H / Hkv, items = B * Hkv, npad = ((L > 0 ? L : 1) + 15) / 16 * 16;
     const int nt = (int)(nthreads < items ? (nthreads > 0 ? nthreads : 1) : (items > 0 ? items : 1));
     float *scratch = (float *)malloc((size_t)(nt * G * npad) * sizeof(float));
@@ -749,12 +747,19 @@ int tetri_decode_attn_gqa_bf16(const uint16_t *q, const uint16_t *k_cache, const
         float *sc = scratch + (size_t)team_id() * (size_t)(G * npad);
         for (int64_t it = lo; it < hi; it++) {
             const int64_t b = it / Hkv, hk = it % Hkv, n = lengths[b] < L ? lengths[b] : L;
-            gqa_item(q, k_cache, v_cache, slots + b * L, n, out, b, hk, H, G, Hkv, D, scale, sc, npad);
+            gqa_item(q, k_cache, v_cache, slots + b * L, n, out, b, hk, H, G, Hkv, D, scale, sc, npad, F32);
         }
         _mm_setcsr(csr);
     }
     free(scratch);
     return 0;
+}
+
+int tetri_decode_attn_gqa_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int64_t *slots, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H,
+                               int64_t Hkv, int64_t D, int64_t L, float scale, int64_t nthreads) {
+    return gqa_attn((const char *)q, (const char *)k_cache, (const char *)v_cache, slots, lengths, (char *)out, B, H,
+                    Hkv, D, L, scale, nthreads, 0);
 }
 
 /* ---- grouped fp32 decode attention -------------------------------------------------------------------------------
@@ -766,107 +771,9 @@ int tetri_decode_attn_gqa_bf16(const uint16_t *q, const uint16_t *k_cache, const
  * reads every K and V row once per query head; at SmolLM2's 3 query heads per kv head it took 50 ms for 30 layers of
  * 48 x 201-token contexts on one Zen 4 core. D must be a multiple of 16 and at most 256; up to GQA_MAX_G query heads
  * per kv head. Each item is computed by the same code on any thread: bit-identical at every thread count. */
-static inline void gqa_prefetch_f32(const float *kc, const float *vc, int64_t s, int64_t row, int64_t hk, int64_t D) {
-    const char *k = (const char *)(kc + s * row + hk * D), *v = (const char *)(vc + s * row + hk * D);
-    for (int64_t off = 0; off < D * 4; off += 64) {
-        _mm_prefetch(k + off, _MM_HINT_T1);
-        _mm_prefetch(v + off, _MM_HINT_T1);
-    }
-}
-
-static inline void gqa_scores_f32(const float *q0, const float *kc, const float *vc, const int64_t *sl, int64_t n,
-                                  int64_t row, int64_t hk, int64_t G, int64_t D, float scale, float *sc,
-                                  int64_t npad) {
-    const int64_t nd = D / 16;
-    for (int64_t l = 0; l < n && l < GQA_PREFETCH_KEYS; l++) gqa_prefetch_f32(kc, vc, sl[l], row, hk, D);
-    for (int64_t l0 = 0; l0 < n; l0 += 16) {
-        const int64_t nk = n - l0 < 16 ? n - l0 : 16;
-        for (int64_t l = l0 + GQA_PREFETCH_KEYS; l < n && l < l0 + GQA_PREFETCH_KEYS + 16; l++)
-            gqa_prefetch_f32(kc, vc, sl[l], row, hk, D);
-        const float *kr[16];
-        for (int i = 0; i < 16; i++) kr[i] = kc + sl[l0 + (i < nk ? i : 0)] * row + hk * D; /* tail: key l0 again */
-        const __mmask16 keep = nk == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nk) - 1);
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q0 + g * D;
-            __m512 a[16];
-            for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < nd; t++) {
-                __m512 qq = _mm512_loadu_ps(qg + 16 * t);
-                for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(kr[i] + 16 * t), qq, a[i]);
-            }
-            _mm512_mask_storeu_ps(sc + g * npad + l0, keep, _mm512_mul_ps(sum16x16(a), _mm512_set1_ps(scale)));
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void gqa_values_f32(const float *p, int64_t npad, const float *vc,
-                                                                  const int64_t *sl, int64_t n, int64_t row,
-                                                                  int64_t hk, int64_t D, int64_t v0, int nb,
-                                                                  float *o0, const int G, const int NB) {
-    __m512 acc[24];
-    for (int i = 0; i < G * NB; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; l++) {
-        const float *vr = vc + sl[l] * row + hk * D + 16 * v0;
-        __m512 vv[8];
-        for (int u = 0; u < NB; u++) vv[u] = u < nb ? _mm512_loadu_ps(vr + 16 * u) : _mm512_setzero_ps();
-        for (int g = 0; g < G; g++) {
-            __m512 pp = _mm512_set1_ps(p[g * npad + l]);
-            for (int u = 0; u < NB; u++)
-                if (u < nb) acc[g * NB + u] = _mm512_fmadd_ps(pp, vv[u], acc[g * NB + u]);
-        }
-    }
-    for (int g = 0; g < G; g++)
-        for (int u = 0; u < NB; u++)
-            if (u < nb) _mm512_storeu_ps(o0 + g * D + 16 * (v0 + u), acc[g * NB + u]);
-}
-
-#define GQA_VALUES_F32(GC, NBC)                                                                                    \
-    for (int64_t v0 = 0; v0 < nv; v0 += NBC)                                                                       \
-        gqa_values_f32(sc, npad, vc, sl, n, row, hk, D, v0, nv - v0 < NBC ? (int)(nv - v0) : NBC, o0, GC, NBC);
-
-static void gqa_item_f32(const float *q, const float *kc, const float *vc, const int64_t *sl, int64_t n, float *out,
-                         int64_t b, int64_t hk, int64_t H, int64_t G, int64_t Hkv, int64_t D, float scale, float *sc,
-                         int64_t npad) {
-    const int64_t row = Hkv * D, nv = D / 16;
-    float *o0 = out + (b * H + hk * G) * D;
-    if (n <= 0) {
-        memset(o0, 0, (size_t)(G * D) * sizeof(float));
-        return;
-    }
-    gqa_scores_f32(q + (b * H + hk * G) * D, kc, vc, sl, n, row, hk, G, D, scale, sc, npad);
-    for (int64_t g = 0; g < G; g++) gqa_softmax(sc + g * npad, n);
-    switch (G) {
-        case 1: GQA_VALUES_F32(1, 8) break;
-        case 2: GQA_VALUES_F32(2, 8) break;
-        case 3: GQA_VALUES_F32(3, 8) break;
-        case 4: GQA_VALUES_F32(4, 6) break;
-        case 5: GQA_VALUES_F32(5, 4) break;
-        case 6: GQA_VALUES_F32(6, 4) break;
-        case 7: GQA_VALUES_F32(7, 3) break;
-        default: GQA_VALUES_F32(8, 3) break;
-    }
-}
-
 int tetri_decode_attn_gqa_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
                               const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                               int64_t L, float scale, int64_t nthreads) {
-    const int64_t G = H / Hkv, items = B * Hkv, npad = ((L > 0 ? L : 1) + 15) / 16 * 16;
-    const int nt = (int)(nthreads < items ? (nthreads > 0 ? nthreads : 1) : (items > 0 ? items : 1));
-    float *scratch = (float *)malloc((size_t)(nt * G * npad) * sizeof(float));
-    if (!scratch) return -1;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        unsigned int csr = _mm_getcsr();
-        _mm_setcsr(csr | 0x8040); /* flush denormals (FTZ | DAZ) while we run, as the other decode kernels do */
-        int64_t lo, hi;
-        split_by_keys(lengths, L, B, Hkv, team_size(), team_id(), &lo, &hi);
-        float *sc = scratch + (size_t)team_id() * (size_t)(G * npad);
-        for (int64_t it = lo; it < hi; it++) {
-            const int64_t b = it / Hkv, hk = it % Hkv, n = lengths[b] < L ? lengths[b] : L;
-            gqa_item_f32(q, k_cache, v_cache, slots + b * L, n, out, b, hk, H, G, Hkv, D, scale, sc, npad);
-        }
-        _mm_setcsr(csr);
-    }
-    free(scratch);
-    return 0;
+    return gqa_attn((const char *)q, (const char *)k_cache, (const char *)v_cache, slots, lengths, (char *)out, B, H,
+                    Hkv, D, L, scale, nthreads, 1);
 }
