@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from tetriinfer.core.flip_policy import FlipAction
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
-from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.load import LoadReport, Role, accepting
 from tetriinfer.core.membership import Membership, MemberState
 from tetriinfer.core.migration import MIGRATION_ROLES, MigrationPlanner
 from tetriinfer.core.pd_controller import PDController
@@ -931,9 +931,7 @@ class ClusterEngineClient:
             for w in decode_loads:
                 rep = annotated.get(w.instance_id, load_from_wire(w))
                 payload.append(encode_load(wire_load(replace(rep), w.busy_s, w.steps)))
-            prefill_ids = sorted(r.instance_id for r in loads
-                                 if r.role is Role.PREFILL and r.state is InstanceState.ACTIVE)
-            msg = encode(DecodeLoads(payload, prefill_ids))
+            msg = encode(DecodeLoads(payload, [r.instance_id for r in accepting(loads, Role.PREFILL)]))
             for info in self.instances.values():
                 if info.role == "prefill" and info.socket is not None and info.alive:
                     await info.socket.send(msg)

@@ -32,7 +32,7 @@ from tetriinfer.core.dispatcher import DecodeViews
 from tetriinfer.core.flip_policy import FlipAction
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.kv_cache_manager import KVCacheManager
-from tetriinfer.core.load import InstanceState, LoadReport, Role
+from tetriinfer.core.load import InstanceState, LoadReport, Role, accepting
 from tetriinfer.core.migration import MIGRATION_ROLES, MigrateCommand, MigrationPlanner, pick_migrants
 from tetriinfer.core.pd_controller import PDController
 from tetriinfer.core.rebalance import Rebalancer
@@ -525,8 +525,7 @@ class SimCluster:
             for mig in self.migration.plan(reports, roles, evacuate):
                 self.instances[mig.source].at_step_boundary(lambda mig=mig: self._migrate(mig))
         decode_loads = [r for r in reports if r.role is Role.DECODE]
-        prefill_ids = tuple(sorted(r.instance_id for r in reports
-                                   if r.role is Role.PREFILL and r.state is InstanceState.ACTIVE))
+        prefill_ids = tuple(r.instance_id for r in accepting(reports, Role.PREFILL))
         kicked: list[SimInstance] = []
         for inst in self.instances.values():
             if isinstance(inst, SimPrefill):
