@@ -260,3 +260,32 @@ def test_the_first_of_two_or_more_prefill_instances_is_prompt_only_and_a_lone_on
     assert should_keep(cfg, instance_id="p1", prefill_ids=["p0", "p1"], **args)
     assert should_keep(cfg, instance_id="p0", prefill_ids=["p0"], **args)  # a lone prefill instance keeps
     assert should_keep(replace(cfg, prompt_instance=False), instance_id="p0", prefill_ids=["p0", "p1"], **args)
+
+
+def test_a_lone_prefill_instance_shares_the_decode_batch_only_once_decode_steps_are_inflated() -> None:
+    """Under the cost rule, with the decode tier's memory roomy, a prefill instance keeps for compute while it runs
+    fewer kept decodes than the least loaded decode instance. Beside another prefill instance it does so at any step
+    inflation (``min_step_inflation`` 0); alone (every prompt comes through it) only from
+    ``lone_min_step_inflation`` (0.5: the decode tier's steps take twice a batch-1 step)."""
+    cfg = KeepDecodeConfig(enabled=True, rule="cost")
+    assert cfg.min_step_inflation == 0.0 and cfg.lone_min_step_inflation == 0.5
+
+    def decode(inflation: float) -> list[LoadReport]:
+        return [LoadReport("d0", Role.DECODE, num_running=6, num_free_blocks=360, num_used_blocks=40,
+                           block_size=16, step_inflation=inflation)]
+
+    args: dict = {"own_running": 2, "own_queued": 0, "own_committed_blocks": 10, "request_blocks": 4,
+                  "pool_blocks": 100, "instance_id": "p1"}
+    for inflation in (0.0, 0.3, 0.49):
+        assert should_keep(cfg, decode_loads=decode(inflation), prefill_ids=["p0", "p1"], **args)
+        assert not should_keep(cfg, decode_loads=decode(inflation), prefill_ids=["p1"], **args)
+        assert not should_keep(cfg, decode_loads=decode(inflation), prefill_ids=[], **args)  # none reported yet
+    for inflation in (0.5, 0.8):
+        assert should_keep(cfg, decode_loads=decode(inflation), prefill_ids=["p1"], **args)
+    assert should_keep(replace(cfg, lone_min_step_inflation=0.0), decode_loads=decode(0.0), prefill_ids=["p1"],
+                       **args)
+    with pytest.raises(ValueError, match="lone_min_step_inflation"):
+        KeepDecodeConfig(enabled=True, rule="cost", lone_min_step_inflation=1.5)
+    # the memory rule is unchanged at a lone prefill instance: a tight decode pool shares its decodes at once
+    full = [LoadReport("d0", Role.DECODE, num_running=6, num_free_blocks=20, num_used_blocks=380, block_size=16)]
+    assert should_keep(cfg, decode_loads=full, prefill_ids=["p1"], **args)

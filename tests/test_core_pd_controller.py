@@ -155,9 +155,11 @@ def test_cost_rule_keeps_decodes_only_when_the_decode_tier_is_tighter() -> None:
     kw = dict(own_running=2, own_committed_blocks=50, request_blocks=40, pool_blocks=400)
     assert should_keep(cfg, own_queued=0, decode_loads=[full], **kw)  # the decode pool is the tighter one
     assert not should_keep(cfg, own_queued=0, decode_loads=[roomy], **kw)  # as many kept here as decoding there
-    assert should_keep(cfg, own_queued=0, decode_loads=[busy], **kw)  # share a bigger batch
+    two = dict(prefill_ids=["p0", "p1"], instance_id="p1")  # a prompt-only prefill instance beside this one
+    assert should_keep(cfg, own_queued=0, decode_loads=[busy], **two, **kw)  # share a bigger batch
     assert not should_keep(KeepDecodeConfig(enabled=True, rule="cost", min_step_inflation=0.3), own_queued=0,
-                           decode_loads=[busy], **kw)  # ... only once batching slows its steps that much
+                           decode_loads=[busy], **two, **kw)  # ... only once batching slows its steps that much
+    assert not should_keep(cfg, own_queued=0, decode_loads=[busy], **kw)  # alone: not at an uninflated step
     assert not should_keep(cfg, own_queued=1, decode_loads=[full], **kw)  # prompts wait here: stay a prefill
     assert not should_keep(cfg, own_queued=0, decode_loads=[full], own_running=1, own_committed_blocks=330,
                            request_blocks=40, pool_blocks=400)  # over 90% of its own pool

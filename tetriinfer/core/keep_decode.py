@@ -25,6 +25,12 @@ which a fixed split cannot do (on two instances a 1:1 split halves the KV capaci
 holds for compute: when the least loaded decode instance's steps are inflated by batching (``step_inflation``
 at least ``min_step_inflation``), a request is kept while this instance runs fewer kept decodes than that
 instance runs decodes (and its kept KV stays below half its pool, or the decode tier's pressure if higher).
+A lone prefill instance (fewer than two ACTIVE prefill instances) is every prompt's only way in: each decode step
+it runs for a kept request delays the prompts that arrive meanwhile, and its own busy time grows by a whole
+step's weight read, while the decode tier adds the same row to a step it runs anyway. There it shares the batch
+for compute only once the decode tier's steps take at least twice a batch-1 step (``lone_min_step_inflation``
+0.5: batching is no longer nearly free); beside a prompt-only prefill instance prompts have a free path, and
+``min_step_inflation`` applies.
 
 What the kept decodes commit of this instance's pool (``keep_commitment``, ``KeepDecodeConfig.commitment``):
 ``full`` counts every kept decode at its full length (prompt + ``max_tokens``) at once, as if all reached it
@@ -71,6 +77,7 @@ class KeepDecodeConfig:
     rule: str = "ratio"  # ratio | cost (see the module docstring)
     min_decode_pressure: float = 0.5
     min_step_inflation: float = 0.0
+    lone_min_step_inflation: float = 0.5  # the cost rule's compute threshold at a lone prefill instance
     cost_max_kv_fraction: float = 0.9
     # what kept decodes commit of the pool (module docstring): full | peak; None: peak under the cost rule, else full
     commitment: str | None = None
@@ -91,6 +98,9 @@ class KeepDecodeConfig:
             raise ValueError(f"keep-decode min_decode_pressure must be in [0, 2], got {self.min_decode_pressure}")
         if not 0.0 <= self.min_step_inflation <= 1.0:
             raise ValueError(f"keep-decode min_step_inflation must be in [0, 1], got {self.min_step_inflation}")
+        if not 0.0 <= self.lone_min_step_inflation <= 1.0:
+            raise ValueError("keep-decode lone_min_step_inflation must be in [0, 1], "
+                             f"got {self.lone_min_step_inflation}")
         if not 0.0 < self.cost_max_kv_fraction <= 1.0:
             raise ValueError(f"keep-decode cost_max_kv_fraction must be in (0, 1], got {self.cost_max_kv_fraction}")
         if not self.ratio > 0:
@@ -190,7 +200,9 @@ def should_keep(
         own_after = (own_committed_blocks + request_blocks) / pool_blocks
         if kv_after >= config.min_decode_pressure and own_after < kv_after:
             return True  # memory-bound decode tier: share the pools
-        return (least.step_inflation >= config.min_step_inflation and own_after < max(kv_after, 0.5)
+        lone = len(set(prefill_ids)) < 2  # no other prefill instance to take the prompts (module docstring)
+        min_inflation = config.lone_min_step_inflation if lone else config.min_step_inflation
+        return (least.step_inflation >= min_inflation and own_after < max(kv_after, 0.5)
                 and own_running + 1 <= least.num_running)  # compute-bound: share the batch
     if view is not None:
         fewest = view.min_candidate(_requests_key)
