@@ -129,6 +129,31 @@ def test_handoff_timing_and_a_clean_end_on_both_sides(kv_transfer: str) -> None:
             node.backend.shutdown()
 
 
+@pytest.mark.parametrize("prompt", [10, 40])  # one chunk, two chunks of 32
+def test_a_request_its_first_token_ends_is_never_dispatched_chunk_wise(prompt: int) -> None:
+    """Chunk-wise transfer, ``max_tokens`` 1: the prefill instance's first token ends the request, so no decode
+    instance is chosen for it (no Handoff, no Dispatched: a decode instance would refuse a request with all its
+    output tokens and the client would get an error); the client sees the token and one clean end, and nothing is
+    held on either side."""
+    wire: deque = deque()
+    p, d = Node("p", "prefill", wire, "chunk"), Node("d", "decode", wire, "chunk")
+    try:
+        p.worker.decode_loads = [d.worker.load_report(time.time(), 0.0, InstanceState.ACTIVE)]
+        params = WireParams.from_params(SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
+        p.worker.handle(NewRequest("one", [3] * prompt, params, 0.0))
+        while p.worker.step():
+            pass
+        assert not wire and all(not seen for seen in p.runner.handoffs_at_forward)
+        assert not [m for m in p.front if type(m).__name__ == "Dispatched"]
+        items = [it for it in p.items() if it.request_id == "one"]
+        assert [it.index for it in items if it.token_ids] == [0]
+        assert [(it.finished, it.error) for it in items if it.finished] == [(True, None)]
+        assert p.ctx.kv_manager.num_used_blocks == 0 and p.worker.is_empty() and d.worker.is_empty()
+    finally:
+        for node in (p, d):
+            node.backend.shutdown()
+
+
 @pytest.mark.parametrize("kv_handoff", ["pull", "push"])
 def test_a_pull_handoff_completes_while_the_prefill_instance_is_busy(kv_handoff: str) -> None:
     """shm, per-request transfer. After the prompt's forward the prefill instance is frozen (as if in its next

@@ -49,6 +49,11 @@ chunks carry the kept rows; the least-loaded routing (``core.load.load_key``) se
 fewer prefilled requests when backlogs tie, i.e. to the prompt-only one when it is free. One prefill instance cannot
 be spared (a single one keeps as before).
 
+With chunk-wise KV transfer (``--kv-transfer chunk``) a request's decode instance is chosen when its first chunk
+starts, after which it can no longer be kept; the prefill instance asks this rule at that moment too (the request
+itself not counted as a queued prompt): a request it would keep opens no transfer and is decided again once
+prefilled, one it would not keep streams to a decode instance.
+
 Invariants: pure (``decode_loads`` and counts are passed in); never keeps while prompts wait here; never
 commits more than ``max_kv_fraction`` (``cost_max_kv_fraction`` under the cost rule) of the pool to kept
 decodes.

@@ -143,6 +143,13 @@ class PrefillScheduler:
     def num_queued(self) -> int:
         return len(self.queue)
 
+    def ends_with_first_token(self, req: Request) -> bool:
+        """The first token this instance samples for ``req`` ends it by length (``max_tokens`` reached, or the
+        model's context full; ``update`` finishes it here): nothing is left to decode, so no decode instance is to
+        be chosen or hold blocks for it (a chunk-wise transfer opens no stream for it)."""
+        return (req.num_output_tokens + 1 >= req.sampling_params.max_tokens
+                or req.num_tokens + 1 >= self.config.max_model_len)
+
     def block_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)
 

@@ -294,6 +294,10 @@ class PrefillWorker:
                 continue  # prefilled by this forward: after it, the per-request path decides keep or dispatch
             if req.status.name != "WAITING" or req.output_token_ids:
                 continue  # already prefilled (a re-prefill after a failed stream): the per-request path
+            if self.scheduler.ends_with_first_token(req):
+                continue  # nothing to decode: its first token ends it here
+            if self._may_keep(req, prefilling=True):
+                continue  # the keep rule would keep it now: decided again once prefilled (core.keep_decode)
             if self.ctx.predictor is not None and req.predicted_bucket is None:
                 continue  # dispatch needs the prediction; retried after the next chunk
             decision = self.dispatcher.choose(self.decode_loads, req.num_tokens + 1, req.predicted_lower)
@@ -341,8 +345,9 @@ class PrefillWorker:
         if stream is not None and stream.transfer_id is not None:
             self.ctx.release_transfer(stream.transfer_id)
 
-    def _may_keep(self, req: Request) -> bool:
-        """``core.keep_decode.should_keep`` for ``req`` here, now."""
+    def _may_keep(self, req: Request, prefilling: bool = False) -> bool:
+        """``core.keep_decode.should_keep`` for ``req`` here, now; ``prefilling``: asked while ``req`` is still
+        queued here (a chunk-wise transfer about to open), which then does not count as a prompt waiting."""
         if not self.keep_config.enabled:
             return False
         kv, cap = self.ctx.kv_manager, self.ctx.max_model_len
@@ -350,7 +355,7 @@ class PrefillWorker:
                                       keep_row(req, cap), kv.block_size)
         return should_keep(
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
-            own_queued=self.scheduler.num_queued, own_committed_blocks=own, request_blocks=blocks,
+            own_queued=self.scheduler.num_queued - prefilling, own_committed_blocks=own, request_blocks=blocks,
             pool_blocks=kv.num_blocks, decode_loads=self.decode_loads, instance_id=self.ctx.instance_id,
             prefill_ids=self.prefill_ids,
         )
