@@ -143,6 +143,11 @@ MODES = {
     "tetri-keep": dict(mode="tetriinfer", keep_decode=True, local_prefill=True),
     "tetri-wait": dict(mode="tetriinfer", keep_decode=True, keep_decode_rule="cost", dispatch_when_full="wait",
                        local_prefill=True, pd_controller="adaptive", flip=True),
+    # chunk-wise KV transfer: plain (least-loaded dispatch), and with the adaptive controller's defaults
+    "tetri-chunk": dict(mode="tetriinfer", kv_transfer="chunk", predictor="oracle"),
+    "tetri-chunk-adaptive": dict(mode="tetriinfer", kv_transfer="chunk", keep_decode=True, keep_decode_rule="cost",
+                                 dispatch_when_full="wait", local_prefill=True, pd_controller="adaptive", flip=True,
+                                 flip_window_s=0.2, prefill_tail_tokens=128),
     "tetri-flip": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, predictor="oracle",
                        decode_policy="reserve-static"),
     "tetri-auto": dict(mode="tetriinfer", flip=True, flip_window_s=0.2, autoscale=True, autoscale_window_s=0.3,
@@ -375,7 +380,7 @@ def test_closed_loop_keeps_at_most_c_in_flight() -> None:
 
 
 def test_settings_the_simulator_does_not_model_are_refused() -> None:
-    for over in (dict(predictor="/some/predictor"), dict(kv_transfer="chunk"), dict(fault_drop_p=0.1)):
+    for over in (dict(predictor="/some/predictor"), dict(fault_drop_p=0.1)):
         with pytest.raises(ValueError, match="not simulated|simulated"):
             sim_config("tetriinfer", **over)
 

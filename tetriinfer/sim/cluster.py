@@ -5,8 +5,9 @@ prefill instance, or a decode instance under conditional disaggregation) from th
 reports; the monitor builds every instance's ``LoadReport`` each ``report_interval_s``, runs ``FlipPolicy``
 (drain, then switch role in place) and ``ScalePolicy`` (``--autoscale``: add an instance after ``scale_out_s``;
 remove one by draining it, as the runtime's drain-then-retire), and broadcasts decode loads to the prefill
-instances' dispatchers. What is simulated: step times (a ``CostModel``), KV transfers (``Links``), role-switch
-and instance-start times, and the model's tokens.
+instances' dispatchers. What is simulated: step times (a ``CostModel``), KV transfers (``Links``: per request
+after prefill, or chunk-wise while later chunks prefill), role-switch and instance-start times, and the model's
+tokens.
 
 Request lifecycle and invariants: every request of the workload ends in exactly one terminal state
 (finished, or failed with a reason; rejected ones -- too long for the model -- are never sent); at the end
@@ -105,8 +106,6 @@ class SimConfig:
         if c.role_policies().predictor not in ("none", "oracle"):
             raise ValueError("a trained predictor is not simulated: use '--predictor oracle' with --predictor-accuracy "
                              "(its measured bucket accuracy)")
-        if c.kv_transfer != "request":
-            raise ValueError("only per-request KV transfer (--kv-transfer request) is simulated")
         if c.fault_drop_p or c.fault_delay_p or c.fault_corrupt_p:
             raise ValueError("fault injection is not simulated")
 
@@ -120,7 +119,8 @@ class SimConfig:
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, heavy_decode_tokens=c.heavy_decode_tokens,
             keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,
-            prompt_only_prefill=c.prompt_only_prefill, dispatch_when_full=c.dispatch_when_full, seed=c.seed + index,
+            prompt_only_prefill=c.prompt_only_prefill, dispatch_when_full=c.dispatch_when_full,
+            kv_transfer=c.kv_transfer, seed=c.seed + index,
         )
 
 
@@ -423,12 +423,14 @@ class SimCluster:
             self.num_kept += 1
 
     @staticmethod
-    def _receiver_copy(req: Request) -> Request:
-        """What the receiving instance builds from a handoff: prompt + outputs so far, all but the last computed."""
+    def _receiver_copy(req: Request, early: bool = False) -> Request:
+        """What the receiving instance builds from a handoff: prompt + outputs so far, all but the last computed.
+        ``early`` (chunk-wise transfer): sent before the first token exists; a placeholder first token sizes the
+        reservation (as ``runtime.kv_receiver.request_from_handoff``; here it is the token every step samples)."""
         copy = Request(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling_params=req.sampling_params,
             arrival_time=req.arrival_time, eos_token_id=req.eos_token_id,
-            output_token_ids=list(req.output_token_ids),
+            output_token_ids=[SAMPLED_TOKEN] if early else list(req.output_token_ids),
             predicted_bucket=req.predicted_bucket, predicted_lower=req.predicted_lower,
             predicted_upper=req.predicted_upper,
         )
@@ -453,14 +455,76 @@ class SimCluster:
 
     def transfer(self, prefill_id: str, decode_id: str, request_id: str, num_blocks: int,
                  done: Callable[[], None]) -> None:
-        nbytes = num_blocks * self.config.cluster.block_size * self.config.kv_bytes_per_token
-        arrive = self.links.send(prefill_id, decode_id, nbytes, self.loop.now)
+        arrive = self.send_kv(prefill_id, decode_id, num_blocks)
 
         def finish() -> None:
             self._kv_done(prefill_id, request_id)
             done()
 
         self.loop.at(arrive, finish)
+
+    def send_kv(self, prefill_id: str, decode_id: str, num_blocks: int) -> float:
+        """Put ``num_blocks`` KV blocks on the ``prefill_id -> decode_id`` link now; returns when they have landed."""
+        nbytes = num_blocks * self.config.cluster.block_size * self.config.kv_bytes_per_token
+        return self.links.send(prefill_id, decode_id, nbytes, self.loop.now)
+
+    # chunk-wise transfer (``--kv-transfer chunk``; ``runtime.prefill_worker.KVStream``): the early handoff (prompt
+    # only) reaches the decode instance a message later, which reserves blocks for it (FIFO, as any handoff) and
+    # posts them (KVReady, a message back); the prefill instance then sends each finished chunk's full blocks as
+    # the chunk ends (``SimPrefill.pump``) and, once prefilled, the rest; the request decodes when its last bytes
+    # and its first token (PrefillDone) are in; the decode side's KVDone, a message later, frees the prefill
+    # instance's blocks (held until then: no staging copy).
+    def open_stream(self, prefill_id: str, decode_id: str, req: Request, num_blocks: int) -> None:
+        copy = self._receiver_copy(req, early=True)
+        rid = req.request_id
+        self._inbound[decode_id] = self._inbound.get(decode_id, 0) + 1
+
+        def deliver() -> None:
+            self._inbound[decode_id] -= 1
+            dst = self.instances[decode_id]
+            if not isinstance(dst, SimDecode):  # flipped meanwhile (cannot happen: it drains first)
+                self.on_failed(rid, f"{decode_id} is no longer a decode instance")
+                self.stream_failed(prefill_id, rid)
+                return
+            dst.receive(Handoff(copy, prefill_id, num_blocks, early=True))
+
+        self.loop.at(self.links.message(self.loop.now), deliver)
+
+    def _tell(self, iid: str, kind: type[SimInstance], call: Callable[[Any], None]) -> None:
+        """A control message to instance ``iid``: ``call(instance)`` a message latency from now, if it is still a
+        ``kind`` then."""
+        def deliver() -> None:
+            inst = self.instances.get(iid)
+            if isinstance(inst, kind):
+                call(inst)
+
+        self.loop.at(self.links.message(self.loop.now), deliver)
+
+    def stream_ready(self, prefill_id: str, request_id: str) -> None:
+        """KVReady: the decode side reserved the stream's blocks."""
+        self._tell(prefill_id, SimPrefill, lambda src: src.stream_ready(request_id))
+
+    def close_stream(self, prefill_id: str, decode_id: str, request_id: str, last_arrival: float) -> None:
+        """Prefilled and every block sent: the decode side has the request once the last bytes (``last_arrival``)
+        and the first token (PrefillDone, sent now) are in; its KVDone reaches the prefill instance a message
+        later."""
+        def landed() -> None:
+            dst = self.instances.get(decode_id)
+            if isinstance(dst, SimDecode):
+                dst.kv_arrived(request_id)
+            self._tell(prefill_id, SimPrefill, lambda src: src.stream_done(request_id))
+
+        self.loop.at(max(last_arrival, self.links.message(self.loop.now)), landed)
+
+    def cancel_stream(self, decode_id: str, request_id: str) -> None:
+        """The request ended at the prefill instance (by its first token): the decode side frees its reservation
+        (the runtime's Abort to the stream's decode instance)."""
+        self._tell(decode_id, SimDecode, lambda dst: dst.cancel(request_id))
+
+    def stream_failed(self, prefill_id: str, request_id: str) -> None:
+        """The decode side refused the stream's request for good (it can never run there; the request failed):
+        the prefill instance drops it and frees what it holds."""
+        self._tell(prefill_id, SimPrefill, lambda src: src.drop_stream(request_id))
 
     def _kv_done(self, prefill_id: str, request_id: str) -> None:
         src = self.instances.get(prefill_id)

@@ -10,6 +10,12 @@ Lifecycle of a disaggregated request here (as in ``runtime/prefill_worker.py`` a
 queued at a prefill instance -> chunks prefilled -> first token -> KV staged, prefill blocks freed ->
 dispatched (or kept to decode here) -> handoff reaches the decode instance -> blocks reserved (FIFO) -> KV
 crosses the link -> decoding -> finished. Every KV block a request held is freed on both sides.
+
+With chunk-wise transfer (``kv_transfer == "chunk"``, the runtime's ``KVStream``): the decode instance is chosen
+when the request's first chunk starts (by the same dispatcher; a prompt that one step prefills is left to the
+per-request path when keep-decode may keep it) and reserves blocks for it then; each chunk's full KV blocks go on
+the link as the chunk ends, so after the last chunk only its own blocks remain to send. The prefill instance keeps
+the blocks (no staging copy) until the decode side has them all.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from tetriinfer.core.load import (
     restamped,
 )
 from tetriinfer.core.prefill_scheduler import PrefillScheduler, PrefillSchedulerConfig
-from tetriinfer.core.request import Request
+from tetriinfer.core.request import Request, RequestStatus
 from tetriinfer.core.step import (
     ScheduledSegment,
     SchedulerOutput,
@@ -78,6 +84,19 @@ class Host(Protocol):
     def transfer(self, prefill_id: str, decode_id: str, request_id: str, num_blocks: int,
                  done: Callable[[], None]) -> None: ...
 
+    # chunk-wise transfer (``kv_transfer == "chunk"``; see ``sim.cluster.SimCluster.open_stream``)
+    def open_stream(self, prefill_id: str, decode_id: str, req: Request, num_blocks: int) -> None: ...
+
+    def stream_ready(self, prefill_id: str, request_id: str) -> None: ...
+
+    def send_kv(self, prefill_id: str, decode_id: str, num_blocks: int) -> float: ...
+
+    def close_stream(self, prefill_id: str, decode_id: str, request_id: str, last_arrival: float) -> None: ...
+
+    def cancel_stream(self, decode_id: str, request_id: str) -> None: ...
+
+    def stream_failed(self, prefill_id: str, request_id: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class InstancePolicies:
@@ -102,6 +121,7 @@ class InstancePolicies:
     keep_decode_rule: str = "ratio"
     prompt_only_prefill: bool | None = None
     dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty
+    kv_transfer: str = "request"  # request (after prefill) | chunk (block-wise while later chunks prefill)
     seed: int = 0
 
 
@@ -543,6 +563,8 @@ class SimPrefill(SimInstance):
         self.prefill_ids: tuple[str, ...] = ()  # ACTIVE prefill instances, with that broadcast
         self.awaiting: deque[tuple[Request, int]] = deque()  # staged, no decode instance chosen yet
         self.staged: set[str] = set()  # KV held in staging until the decode side has it
+        self.chunk_mode = pol.kv_transfer == "chunk"
+        self.streams: dict[str, KVStream] = {}  # chunk-wise transfers, by request id
         self._parts: tuple[SchedulerOutput | None, SchedulerOutput | None] = (None, None)
 
     def add(self, req: Request) -> None:
@@ -551,10 +573,18 @@ class SimPrefill(SimInstance):
         self.kick()
 
     def take_unstarted(self, limit: int) -> list[Request]:
-        return self.scheduler.take_unstarted(limit)
+        taken = self.scheduler.take_unstarted(limit)
+        if self.streams and any(r.request_id in self.streams for r in taken):
+            # preempted back to nothing computed, but dispatched already (its decode instance holds blocks for
+            # it): it stays
+            for req in taken:
+                if req.request_id in self.streams:
+                    self.scheduler.add_request(req)
+            taken = [r for r in taken if r.request_id not in self.streams]
+        return taken
 
     def is_empty(self) -> bool:
-        return not (self.scheduler.has_unfinished() or self.kept.has_unfinished() or self.staged)
+        return not (self.scheduler.has_unfinished() or self.kept.has_unfinished() or self.staged or self.streams)
 
     def _start(self) -> None:
         """As ``SimInstance._start``, settled at once when there is nothing to step (no prompt queued, nothing
@@ -587,6 +617,8 @@ class SimPrefill(SimInstance):
         if self.scheduler.num_queued:
             out = self.scheduler.schedule()
             if not out.is_empty:
+                if self.chunk_mode:
+                    self._open_streams(out, before_forward=True)
                 dec = self._kept_step()
                 self._parts = (out, dec)
                 return merge_steps(out, dec) if dec is not None and not dec.is_empty else out
@@ -601,14 +633,25 @@ class SimPrefill(SimInstance):
         if pre is not None:
             upd = self.scheduler.update(pre, result if dec is None else split_result(result, pre))
             self.host.on_tokens(upd.new_tokens, upd.finished)
+            if self.streams:
+                for req in upd.finished:  # ended by its first token: the decode side frees its reservation
+                    stream = self.streams.pop(req.request_id, None)
+                    if stream is not None:
+                        self.host.cancel_stream(stream.decode_id, req.request_id)
+            if self.chunk_mode:
+                self._open_streams(pre)
             for req in upd.prefilled:
                 self.stage(req)
+            if self.streams:
+                for stream in list(self.streams.values()):
+                    self.pump(stream)
         if dec is not None:
             upd_d = self.kept.update(dec, result if pre is None else split_result(result, dec))
             self.host.on_tokens(upd_d.new_tokens, upd_d.finished)
 
-    def _may_keep(self, req: Request) -> bool:
-        """``core.keep_decode.should_keep`` for ``req`` here, now."""
+    def _may_keep(self, req: Request, prefilling: bool = False) -> bool:
+        """``core.keep_decode.should_keep`` for ``req`` here, now; ``prefilling``: asked while ``req`` is still
+        queued here (a chunk-wise transfer about to open), which then does not count as a prompt waiting."""
         if not self.keep_config.enabled or self.state is not InstanceState.ACTIVE:
             return False
         cap = self.pol.max_model_len
@@ -616,7 +659,7 @@ class SimPrefill(SimInstance):
                                       keep_row(req, cap), self.kv.block_size)
         return should_keep(
             self.keep_config, own_running=len(self.kept.running) + len(self.kept.suspended),
-            own_queued=self.scheduler.num_queued, own_committed_blocks=own, request_blocks=blocks,
+            own_queued=self.scheduler.num_queued - prefilling, own_committed_blocks=own, request_blocks=blocks,
             pool_blocks=self.kv.num_blocks, decode_loads=self.decode_loads, views=self.dispatcher.views,
             instance_id=self.iid, prefill_ids=self.prefill_ids,
         )
@@ -640,7 +683,13 @@ class SimPrefill(SimInstance):
         return True
 
     def stage(self, req: Request) -> None:
-        """Keep the request here, or copy its KV out (the device blocks are freed at once) and dispatch it."""
+        """Keep the request here, or copy its KV out (the device blocks are freed at once) and dispatch it; a
+        request with a chunk-wise transfer open sends the rest of its blocks instead."""
+        stream = self.streams.get(req.request_id)
+        if stream is not None:
+            stream.prefilled = True
+            self.pump(stream)
+            return
         if self._try_keep(req):
             return
         n = self.kv.pool.blocks_for_tokens(req.num_computed_tokens)
@@ -668,6 +717,83 @@ class SimPrefill(SimInstance):
         """The decode side has the KV (or gave up on it): drop the staging copy."""
         self.staged.discard(request_id)
 
+    # ---- chunk-wise transfer (as ``runtime.prefill_worker``: ``_open_streams``, ``_pump_stream``, KVDone)
+    def _open_streams(self, out: SchedulerOutput, before_forward: bool = False) -> None:
+        """Choose a decode instance for each request of this prefill step that has none yet and is still being
+        prefilled (before the step's forward, or after it for those the dispatcher found no room for): the
+        early handoff leaves now. With keep-decode on, a request this very step prefills is left to the
+        per-request path (keep here or dispatch after its first token)."""
+        requests, streams = self.scheduler.requests, self.streams
+        for seg in out.segments:
+            rid = seg.request_id
+            req = requests.get(rid)
+            if req is None or rid in streams or rid in self.staged:
+                continue
+            if before_forward and self.keep_config.enabled and seg.end >= req.num_tokens:
+                continue
+            if req.status is not RequestStatus.WAITING or req.output_token_ids:
+                continue
+            if self.scheduler.ends_with_first_token(req):
+                continue  # nothing to decode: its first token ends it here
+            if self._may_keep(req, prefilling=True):
+                continue  # the keep rule would keep it now: decided again once prefilled (core.keep_decode)
+            decision = self.dispatcher.choose(self.decode_loads, req.num_tokens + 1, req.predicted_lower)
+            if decision.instance_id is None:
+                continue
+            n = self.kv.pool.blocks_for_tokens(req.num_prompt_tokens)
+            self.decode_loads = self.dispatcher.charge(self.decode_loads, decision.instance_id, req.num_tokens,
+                                                       req.predicted_lower)
+            streams[rid] = KVStream(req, decision.instance_id, n)
+            self.host.on_dispatched(rid, decision.instance_id)
+            self.host.open_stream(self.iid, decision.instance_id, req, n)
+
+    def stream_ready(self, request_id: str) -> None:
+        """KVReady: the decode side reserved the blocks; what is computed so far goes out once the running step
+        ends (the runtime's loop reads the reply between forwards)."""
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return
+
+        def ready() -> None:
+            if self.streams.get(request_id) is stream:
+                stream.ready = True
+                self.pump(stream)
+
+        self.at_step_boundary(ready)
+
+    def pump(self, stream: KVStream) -> None:
+        """Send the stream's full blocks computed so far (all of them once prefilled); close it when all are
+        sent."""
+        if not stream.ready or stream.closed:
+            return
+        req = stream.request
+        upto = (stream.num_blocks if stream.prefilled
+                else min(stream.num_blocks, req.num_computed_tokens // self.kv.block_size))
+        if upto > stream.sent_blocks:
+            stream.last_arrival = self.host.send_kv(self.iid, stream.decode_id, upto - stream.sent_blocks)
+            stream.sent_blocks = upto
+        if stream.prefilled and stream.sent_blocks == stream.num_blocks:
+            stream.closed = True
+            self.host.close_stream(self.iid, stream.decode_id, req.request_id, stream.last_arrival)
+
+    def stream_done(self, request_id: str) -> None:
+        """KVDone: the decode side has every block; free them here."""
+        if self.streams.pop(request_id, None) is not None and request_id in self.scheduler.handed_over:
+            self.interrupt()
+            self.scheduler.release(request_id)
+            self.kick()
+
+    def drop_stream(self, request_id: str) -> None:
+        """The decode side can never run the request (it failed): drop it and whatever it holds here."""
+        if self.streams.pop(request_id, None) is None:
+            return
+        self.interrupt()
+        if request_id in self.scheduler.handed_over:
+            self.scheduler.release(request_id)
+        elif request_id in self.scheduler.requests:
+            self.scheduler.abort(request_id)
+        self.kick()
+
     def report(self, now: float, utilization: float) -> LoadReport:
         run = self._sync_books()
         ahead = 0 if run is None else self.kept.steady_blocks_taken(run.done, run.half_steps)  # read ahead (kept run)
@@ -676,10 +802,27 @@ class SimPrefill(SimInstance):
 
 
 @dataclass
+class KVStream:
+    """A chunk-wise transfer in progress (``runtime.prefill_worker.KVStream``): ``ready`` once the decode side
+    reserved its blocks; ``sent_blocks`` of ``num_blocks`` on the link, the last of them landing at
+    ``last_arrival``; ``prefilled`` once the last chunk ran; ``closed`` once every block is sent."""
+
+    request: Request
+    decode_id: str
+    num_blocks: int
+    ready: bool = False
+    sent_blocks: int = 0
+    prefilled: bool = False
+    closed: bool = False
+    last_arrival: float = 0.0
+
+
+@dataclass
 class Handoff:
     request: Request  # the decode side's copy: prompt + first token, KV for all but the last token
     prefill_id: str
     num_blocks: int
+    early: bool = False  # chunk-wise transfer: sent before prefill ends; the KV follows chunk by chunk
 
 
 class SimDecode(SimInstance):
@@ -722,18 +865,35 @@ class SimDecode(SimInstance):
             except ValueError as exc:  # can never run here
                 self.pending.popleft()
                 self.host.on_failed(rid, str(exc))
+                if h.early:
+                    self.host.stream_failed(h.prefill_id, rid)
                 continue
             if not ok:
                 return
             self.pending.popleft()
             self.receiving.add(rid)
-            self.host.transfer(h.prefill_id, self.iid, rid, h.num_blocks, lambda rid=rid: self._kv_arrived(rid))
+            if h.early:  # chunk-wise: the prefill instance sends as its chunks end
+                self.host.stream_ready(h.prefill_id, rid)
+            else:
+                self.host.transfer(h.prefill_id, self.iid, rid, h.num_blocks, lambda rid=rid: self.kv_arrived(rid))
 
-    def _kv_arrived(self, rid: str) -> None:
+    def kv_arrived(self, rid: str) -> None:
         self.interrupt()
         self.receiving.discard(rid)
         if rid in self.scheduler.reserved:
             self.scheduler.on_kv_received(rid)
+        self.kick()
+
+    def cancel(self, rid: str) -> None:
+        """A chunk-wise transfer's request ended at its prefill instance: free what it holds or waits for here."""
+        self.interrupt()
+        for h in self.pending:
+            if h.request.request_id == rid:
+                self.pending.remove(h)
+                break
+        self.receiving.discard(rid)
+        if rid in self.scheduler.reserved:
+            self.scheduler.abort(rid)
         self.kick()
 
     def admit_local(self) -> None:
