@@ -14,6 +14,7 @@ from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerCon
 from tetriinfer.core.keep_decode import (
     KeepDecodeConfig,
     keep_commitment,
+    keep_offer_targets,
     keep_row,
     kv_peak_blocks,
     prompt_only_instance,
@@ -289,3 +290,23 @@ def test_a_lone_prefill_instance_shares_the_decode_batch_only_once_decode_steps_
     # the memory rule is unchanged at a lone prefill instance: a tight decode pool shares its decodes at once
     full = [LoadReport("d0", Role.DECODE, num_running=6, num_free_blocks=20, num_used_blocks=380, block_size=16)]
     assert should_keep(cfg, decode_loads=full, prefill_ids=["p1"], **args)
+
+
+def test_only_the_prompt_only_instance_offers_its_prefilled_requests_to_the_keeping_ones() -> None:
+    """``offer_to_keepers`` (off unless asked): the prompt-only prefill instance offers to the other prefill
+    instances in id order; a keeping one, a lone one and any instance without the flag, keep-decode or the prompt-only
+    instance offer to none."""
+    cfg = KeepDecodeConfig(enabled=True, rule="cost", offer_to_keepers=True)
+    assert not KeepDecodeConfig(enabled=True, rule="cost").offer_to_keepers
+    assert keep_offer_targets(cfg, "p0", ["p1", "p0"]) == ("p1",)
+    assert keep_offer_targets(cfg, "p0", ["p2", "p0", "p1", "p1"]) == ("p1", "p2")
+    assert keep_offer_targets(cfg, "p1", ["p0", "p1"]) == ()  # a keeping instance keeps or dispatches itself
+    assert keep_offer_targets(cfg, "p0", ["p0"]) == ()  # a lone prefill instance keeps
+    assert keep_offer_targets(replace(cfg, offer_to_keepers=False), "p0", ["p0", "p1"]) == ()
+    assert keep_offer_targets(replace(cfg, prompt_instance=False), "p0", ["p0", "p1"]) == ()  # every one keeps
+    assert keep_offer_targets(replace(cfg, enabled=False), "p0", ["p0", "p1"]) == ()
+    # the keeper judges an offer by the same rule as its own prompts: room, and no prompt queued there
+    loads = [LoadReport("d0", Role.DECODE, num_running=6, num_free_blocks=360, num_used_blocks=40, block_size=16)]
+    args: dict = {"own_running": 2, "own_committed_blocks": 10, "request_blocks": 4, "pool_blocks": 100,
+                  "decode_loads": loads, "instance_id": "p1", "prefill_ids": ["p0", "p1"]}
+    assert should_keep(cfg, own_queued=0, **args) and not should_keep(cfg, own_queued=1, **args)

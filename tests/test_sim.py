@@ -656,18 +656,46 @@ def test_cache_aware_prefill_order_flag_reaches_the_runtime_spec_and_the_simulat
         assert prefill.scheduler.config.cache_aware_order is want
 
 
+def _run_two_by_two_keeping(wl: Workload, **cluster: object) -> tuple[SimCluster, SimResult]:
+    """2 prefill + 2 decode with cost-based keep-decode (and ``cluster``'s other ClusterConfig fields) on ``wl``."""
+    cc = ClusterConfig(model="sim", mode="tetriinfer", prefill_instances=2, decode_instances=2, keep_decode=True,
+                       keep_decode_rule="cost", block_size=16, **cluster)  # type: ignore[arg-type]
+    sim = SimCluster(SimConfig(cc, num_kv_blocks=400, kv_bytes_per_token=8192, max_model_len=2048), COST)
+    res = sim.run(wl)
+    check_run(wl, res.records)
+    return sim, res
+
+
 def test_kept_decodes_stay_off_the_prompt_only_prefill_instance() -> None:
     """2 prefill + 2 decode with cost-based keep-decode: the first prefill instance keeps nothing (prompts routed
     there never wait behind a decode step), the other keeps; ``--no-prompt-only-prefill`` lets both keep."""
     wl = load_workload("lphd", 80, 6.0, 3, max_prompt_tokens=512, max_output_tokens=200)
     kept_at = {}
     for prompt_only in (None, False):
-        cc = ClusterConfig(model="sim", mode="tetriinfer", prefill_instances=2, decode_instances=2, keep_decode=True,
-                           keep_decode_rule="cost", prompt_only_prefill=prompt_only, block_size=16)
-        cluster = SimCluster(SimConfig(cc, num_kv_blocks=400, kv_bytes_per_token=8192, max_model_len=2048), COST)
-        res = cluster.run(wl)
-        check_run(wl, res.records)
+        cluster, _ = _run_two_by_two_keeping(wl, prompt_only_prefill=prompt_only)
         kept_at[prompt_only] = {r.decode_instance for r in cluster.policy.records()
                                 if r.decode_instance is not None and r.decode_instance.startswith("prefill")}
     assert kept_at[None] == {"prefill-1"}
     assert kept_at[False] == {"prefill-0", "prefill-1"}
+
+
+def test_keep_offer_lets_the_keeping_prefill_instance_decode_what_the_prompt_only_one_prefilled() -> None:
+    """``--keep-offer``: the prompt-only prefill instance offers what it prefilled to the keeping one, which takes
+    some of it (its KV over the link), so more requests decode at a prefill instance and every one still completes;
+    without it the keeping instance decodes only prompts it prefilled itself."""
+    wl = load_workload("lphd", 80, 6.0, 3, max_prompt_tokens=512, max_output_tokens=200)
+    kept, moved = {}, {}
+    for offer in (False, True):
+        cluster, res = _run_two_by_two_keeping(wl, keep_offer=offer)
+        assert all(r.success for r in res.records)
+        at = {r.request_id: r.decode_instance for r in cluster.policy.records()}
+        assert "prefill-0" not in at.values()  # the prompt-only instance still keeps nothing
+        kept[offer] = res.kept_decodes
+        assert kept[offer] == sum(1 for v in at.values() if v == "prefill-1")
+        moved[offer] = res.transfer_bytes
+    assert kept[True] > kept[False]
+    assert moved[True] > 0
+    from tetriinfer.runtime.cluster import ClusterEngineClient
+
+    with pytest.raises(ValueError, match="simulated only"):  # the runtime refuses the flag
+        ClusterEngineClient(ClusterConfig(model="sim", mode="tetriinfer", keep_decode=True, keep_offer=True))

@@ -49,6 +49,13 @@ chunks carry the kept rows; the least-loaded routing (``core.load.load_key``) se
 fewer prefilled requests when backlogs tie, i.e. to the prompt-only one when it is free. One prefill instance cannot
 be spared (a single one keeps as before).
 
+The prompt-only instance prefills most prompts (it is picked when backlogs tie), so a keeping instance that only kept
+what it prefilled itself would keep few of them while the decode instances batch more rows than colocated ones.
+With ``offer_to_keepers`` (``--keep-offer``) the prompt-only instance offers each request it prefilled to the
+keeping prefill instances (``keep_offer_targets``) before the decode tier: the one that would keep it by the same
+rule, judged on its own state when the offer arrives, reserves its blocks and takes its KV over the link as a decode
+instance would; one refused by all goes to the decode tier.
+
 With chunk-wise KV transfer (``--kv-transfer chunk``) a request's decode instance is chosen when its first chunk
 starts, after which it can no longer be kept; the prefill instance asks this rule at that moment too (the request
 itself not counted as a queued prompt): a request it would keep opens no transfer and is decided again once
@@ -88,6 +95,8 @@ class KeepDecodeConfig:
     commitment: str | None = None
     # one of two or more prefill instances keeps no decodes (module docstring); None: on under the cost rule
     prompt_instance: bool | None = None
+    # the prompt-only instance offers what it prefills to the keeping ones (module docstring); None: off
+    offer_to_keepers: bool | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in KEEP_RULES:
@@ -96,6 +105,8 @@ class KeepDecodeConfig:
             object.__setattr__(self, "commitment", "peak" if self.rule == "cost" else "full")
         if self.prompt_instance is None:
             object.__setattr__(self, "prompt_instance", self.rule == "cost")
+        if self.offer_to_keepers is None:
+            object.__setattr__(self, "offer_to_keepers", False)
         if self.commitment not in KEEP_COMMITMENTS:
             raise ValueError(f"keep-decode commitment must be one of {', '.join(KEEP_COMMITMENTS)}, "
                              f"got {self.commitment!r}")
@@ -122,6 +133,21 @@ def prompt_only_instance(prefill_ids: Iterable[str]) -> str | None:
     keeps)."""
     ids = sorted(set(prefill_ids))
     return ids[0] if len(ids) >= 2 else None
+
+
+def keep_offer_targets(config: KeepDecodeConfig, instance_id: str, prefill_ids: Iterable[str]) -> tuple[str, ...]:
+    """The prefill instances ``instance_id`` offers a request it just prefilled to, in order, before the decode tier
+    (``KeepDecodeConfig.offer_to_keepers``): when keep-decode is on and ``instance_id`` is the
+    ``prompt_only_instance`` of the ACTIVE prefill instances ``prefill_ids``, the others (the ones that keep) in id
+    order; else none. Each decides with its own ``should_keep`` when the offer arrives (its kept decodes, its queue,
+    its pool, its view of the decode tier) and takes the KV over the link as a decode instance would; a request
+    every one of them refuses is dispatched to the decode tier as before."""
+    if not (config.enabled and config.prompt_instance and config.offer_to_keepers):
+        return ()
+    ids = sorted(set(prefill_ids))
+    if instance_id != prompt_only_instance(ids):
+        return ()
+    return tuple(i for i in ids if i != instance_id)
 
 
 def keep_row(req: Request, max_model_len: int) -> tuple[int, int]:

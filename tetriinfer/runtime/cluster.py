@@ -149,6 +149,8 @@ class ClusterEngineClient:
     """``EngineClient`` over instance processes on this machine."""
 
     def __init__(self, config: ClusterConfig, *, model_name: str | None = None) -> None:
+        if config.keep_offer:
+            raise ValueError("--keep-offer is simulated only: the runtime's prefill worker does not take a KV handoff")
         self.config = config
         self.model_name = model_name or os.path.basename(os.path.normpath(config.model))
         self._model_config = ModelConfig.from_pretrained(config.model)

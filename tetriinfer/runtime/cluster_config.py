@@ -98,6 +98,9 @@ class ClusterConfig:
     keep_decode_rule: str = "ratio"  # core.keep_decode.KeepDecodeConfig.rule: ratio | cost
     # one of 2+ prefill instances keeps no decodes (KeepDecodeConfig.prompt_instance); None: on under the cost rule
     prompt_only_prefill: bool | None = None
+    # the prompt-only prefill instance offers its prefilled requests to the keeping ones (KeepDecodeConfig.
+    # offer_to_keepers); simulated only (the runtime refuses it)
+    keep_offer: bool = False
     dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty: wait | least-loaded
     report_interval_s: float = 0.1
     cores_per_instance: int = 1

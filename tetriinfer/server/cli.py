@@ -90,6 +90,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
                        help="with --keep-decode and two or more prefill instances, the first of them keeps no decodes, "
                             "so prompts routed there never wait behind a decode step (core.keep_decode); default: on "
                             "under --keep-decode-rule cost")
+    sched.add_argument("--keep-offer", action=argparse.BooleanOptionalAction, default=False,
+                       help="with --prompt-only-prefill, that instance offers each request it prefilled to the prefill "
+                            "instances that keep decodes before the decode tier; one that would keep it by its own "
+                            "keep rule takes its KV over the link (core.keep_decode.keep_offer_targets); simulated "
+                            "only: the runtime's prefill worker does not take a KV handoff")
     sched.add_argument("--dispatch-when-full", default=None, choices=["wait", "least-loaded"],
                        help="a prefilled request that no decode instance has free KV for: wait (its KV stays staged at "
                             "the prefill instance, which may decode it itself under --keep-decode once it has room) or "
@@ -247,7 +252,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, kv_handoff=args.kv_handoff,
         link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
         local_prefill_weight=args.local_prefill_weight, keep_decode_ratio=args.keep_decode_ratio,
-        prompt_only_prefill=args.prompt_only_prefill,
+        prompt_only_prefill=args.prompt_only_prefill, keep_offer=args.keep_offer,
         flip_threshold=args.flip_threshold, flip_window_s=args.flip_window,
         flip_decode_load=args.flip_decode_load, flip_busy_threshold=args.flip_busy_threshold,
         flip_idle_by=args.flip_idle_by,

@@ -119,7 +119,7 @@ class SimConfig:
             colocated_policy=pol.colocated_policy, max_num_batched_tokens=pol.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, heavy_decode_tokens=c.heavy_decode_tokens,
             keep_decode=pol.keep_decode, keep_decode_ratio=c.keep_decode_ratio, keep_decode_rule=c.keep_decode_rule,
-            prompt_only_prefill=c.prompt_only_prefill, dispatch_when_full=c.dispatch_when_full,
+            prompt_only_prefill=c.prompt_only_prefill, keep_offer=c.keep_offer, dispatch_when_full=c.dispatch_when_full,
             kv_transfer=c.kv_transfer, seed=c.seed + index,
         )
 
@@ -452,6 +452,33 @@ class SimCluster:
             dst.receive(Handoff(copy, prefill_id, num_blocks))
 
         self.loop.at(self.links.message(self.loop.now), deliver)
+
+    def offer(self, prefill_id: str, keepers: tuple[str, ...], req: Request, num_blocks: int) -> None:
+        """The prompt-only prefill instance offers a request it prefilled to the keeping ones (``keepers``, in
+        order; ``core.keep_decode.keep_offer_targets``): each, when the offer reaches it, keeps it by its own rule
+        (then the KV crosses the link as to a decode instance) or passes it on; refused by all, it goes back and is
+        dispatched to the decode tier. One control message per hop."""
+        copy = self._receiver_copy(req)
+        rid = req.request_id
+
+        def arrive(i: int) -> None:
+            dst = self.instances.get(keepers[i])
+            if isinstance(dst, SimPrefill) and dst.take_offer(copy):
+                self.on_dispatched(rid, dst.iid)
+                self.transfer(prefill_id, dst.iid, rid, num_blocks, lambda: dst.offered_kv_arrived(rid))
+            elif i + 1 < len(keepers):
+                self.loop.at(self.links.message(self.loop.now), lambda: arrive(i + 1))
+            else:
+                self.loop.at(self.links.message(self.loop.now), back)
+
+        def back() -> None:
+            src = self.instances.get(prefill_id)
+            if isinstance(src, SimPrefill):
+                src.refused(req, num_blocks)
+            else:  # cannot happen: an instance drains (its staged KV included) before it leaves
+                self.on_failed(rid, f"{prefill_id} left with the request's KV")
+
+        self.loop.at(self.links.message(self.loop.now), lambda: arrive(0))
 
     def transfer(self, prefill_id: str, decode_id: str, request_id: str, num_blocks: int,
                  done: Callable[[], None]) -> None:

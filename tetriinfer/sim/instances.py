@@ -34,7 +34,13 @@ from tetriinfer.core.colocated_scheduler import (
 )
 from tetriinfer.core.decode_scheduler import DecodeScheduler, DecodeSchedulerConfig
 from tetriinfer.core.dispatcher import Dispatcher, DispatcherConfig
-from tetriinfer.core.keep_decode import KeepDecodeConfig, keep_commitment, keep_row, should_keep
+from tetriinfer.core.keep_decode import (
+    KeepDecodeConfig,
+    keep_commitment,
+    keep_offer_targets,
+    keep_row,
+    should_keep,
+)
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import (
     InstanceState,
@@ -84,6 +90,9 @@ class Host(Protocol):
     def transfer(self, prefill_id: str, decode_id: str, request_id: str, num_blocks: int,
                  done: Callable[[], None]) -> None: ...
 
+    # keep offers (``KeepDecodeConfig.offer_to_keepers``; see ``sim.cluster.SimCluster.offer``)
+    def offer(self, prefill_id: str, keepers: tuple[str, ...], req: Request, num_blocks: int) -> None: ...
+
     # chunk-wise transfer (``kv_transfer == "chunk"``; see ``sim.cluster.SimCluster.open_stream``)
     def open_stream(self, prefill_id: str, decode_id: str, req: Request, num_blocks: int) -> None: ...
 
@@ -120,6 +129,7 @@ class InstancePolicies:
     keep_decode_ratio: float = 0.5
     keep_decode_rule: str = "ratio"
     prompt_only_prefill: bool | None = None
+    keep_offer: bool = False  # core.keep_decode.KeepDecodeConfig.offer_to_keepers
     dispatch_when_full: str = "least-loaded"  # core.dispatcher.DispatcherConfig.alpha_empty
     kv_transfer: str = "request"  # request (after prefill) | chunk (block-wise while later chunks prefill)
     seed: int = 0
@@ -553,7 +563,8 @@ class SimPrefill(SimInstance):
                                                       alpha_empty=pol.dispatch_when_full),
                                      views=getattr(host, "decode_views", None))  # shared: one broadcast, one view
         self.keep_config = KeepDecodeConfig(enabled=pol.keep_decode, ratio=pol.keep_decode_ratio,
-                                            rule=pol.keep_decode_rule, prompt_instance=pol.prompt_only_prefill)
+                                            rule=pol.keep_decode_rule, prompt_instance=pol.prompt_only_prefill,
+                                            offer_to_keepers=pol.keep_offer)
         self.kept = DecodeScheduler(
             DecodeSchedulerConfig(policy="greedy", max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len,
                                   heavy_decode_tokens=pol.heavy_decode_tokens),
@@ -695,7 +706,36 @@ class SimPrefill(SimInstance):
         n = self.kv.pool.blocks_for_tokens(req.num_computed_tokens)
         self.scheduler.release(req.request_id)
         self.staged.add(req.request_id)
+        keepers = keep_offer_targets(self.keep_config, self.iid, self.prefill_ids)
+        if keepers and self.state is InstanceState.ACTIVE:
+            self.host.offer(self.iid, keepers, req, n)  # refused by all: ``refused`` dispatches it
+            return
         self.dispatch(req, n)
+
+    # ---- offers (``KeepDecodeConfig.offer_to_keepers``): the prompt-only instance -> a keeping one
+    def take_offer(self, req: Request) -> bool:
+        """An offer from the prompt-only prefill instance (``req``: the receiver's copy, prefilled there): keep it
+        if the keep rule keeps it here now, reserving its blocks for the KV to come over the link."""
+        self.interrupt()
+        try:
+            ok = self._may_keep(req) and self.kept.reserve(req)
+        except ValueError:  # can never run here: the decode tier takes it
+            ok = False
+        self.kick()
+        return ok
+
+    def offered_kv_arrived(self, request_id: str) -> None:
+        """An offered request's KV is in its reserved blocks: it decodes here from the next step."""
+        self.interrupt()
+        if request_id in self.kept.reserved:
+            self.kept.on_kv_received(request_id)
+        self.kick()
+
+    def refused(self, req: Request, num_blocks: int) -> None:
+        """Every keeping instance refused the offer: dispatch to the decode tier (its KV is still staged here)."""
+        self.interrupt()
+        self.dispatch(req, num_blocks)
+        self.kick()
 
     def dispatch(self, req: Request, num_blocks: int) -> None:
         decision = self.dispatcher.choose(self.decode_loads, req.num_tokens, req.predicted_lower)
