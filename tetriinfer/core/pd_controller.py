@@ -229,11 +229,19 @@ class PDController:
             busy = r.utilization if r.num_queued > 0 or r.num_running == 0 else 0.0
             return (r.utilization + backlog,  # ``prefill_load(r, backlog_full_tokens)``, its backlog term reused
                     busy + backlog, float(r.num_queued), float(r.num_running), 0.0, 0.0)
-        local = float(r.num_queued) if r.num_prefill_tokens > 0 else 0.0
-        pressure = kv_pressure(r)
+        queued, running = r.num_queued, r.num_running
+        local = float(queued) if r.num_prefill_tokens > 0 else 0.0
+        # ``kv_pressure(r)``, inline (the same operations): KV usage with the waiting requests counted
+        used = r.num_used_blocks
+        total = r.num_free_blocks + used  # ``r.num_blocks``
+        usage = used / total if total else 0.0  # ``r.kv_usage``
+        if running == 0:
+            pressure = 1.0 if queued else usage
+        else:
+            pressure = min(2.0, usage * (running + queued) / running)
         inflation = r.step_inflation
         return (pressure if pressure >= inflation else inflation,  # ``decode_load(r)``: max(pressure, inflation)
-                backlog, local, float(r.num_running + r.num_queued) - local, inflation, pressure)
+                backlog, local, float(running + queued) - local, inflation, pressure)
 
     def _update_smoothing(self, reports: Sequence[LoadReport], now: float) -> None:
         tau = self.config.smoothing_s
