@@ -247,6 +247,7 @@ class PDController:
         tau = self.config.smoothing_s
         roles, features = self.flips.roles, self._features
         vecs, smooth, smooth_at = self._vec, self._smooth, self._smooth_at
+        last_dt, a = None, 0.0  # the weight of the last time step seen (instances reported together share it)
         for r in reports:
             iid = r.instance_id
             role = roles.get(iid)
@@ -259,7 +260,9 @@ class PDController:
             elif old == x:  # at its input already: o + a * (x - o) is o exactly (no feature is ever -0.0 or NaN)
                 vec = old
             else:
-                a = 1.0 - math.exp(-max(0.0, now - smooth_at[iid]) / tau)
+                dt = now - smooth_at[iid]
+                if dt != last_dt:
+                    last_dt, a = dt, 1.0 - math.exp(-max(0.0, dt) / tau)
                 o0, o1, o2, o3, o4, o5 = old  # o + a * (n - o) per feature (six, as ``_features`` makes them)
                 x0, x1, x2, x3, x4, x5 = x
                 vec = (o0 + a * (x0 - o0), o1 + a * (x1 - o1), o2 + a * (x2 - o2), o3 + a * (x3 - o3),

@@ -336,9 +336,10 @@ class SimInstance:
         if now == run.synced_at:  # brought to this instant already (a report right after its utilization)
             return run
         run.synced_at = now
-        while run.ends[-1] <= now and not run.fully_priced:  # the clock passed the priced steps: price on
+        ends, costs = run.ends, run.costs
+        while ends[-1] <= now and len(costs) < run.length:  # passed the priced steps (not ``fully_priced``): price on
             run.price_more()
-        ends, costs, k = run.ends, run.costs, len(run.costs)
+        k = len(costs)
         e = bisect_right(ends, now)  # steps ended by now
         if e > k:
             e = k
@@ -486,7 +487,7 @@ class SimInstance:
         report is that one restamped to ``now`` (``core.load.restamped``: equal to building it again). Invariant:
         the result equals ``report(now, take_utilization(interval_s))`` field for field, and leaves the
         instance as that would (nothing to take: no span, no inflation window)."""
-        if self.is_quiet():
+        if self._run is None and self.is_quiet():  # (never quiet with a steady run in flight)
             key = (self.state, self.kv.num_free_blocks)
             if key == self._quiet_key:
                 return restamped(self._quiet_report, now)  # type: ignore[arg-type]
