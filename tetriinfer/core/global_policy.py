@@ -282,16 +282,26 @@ class GlobalPolicy:
         idx = self._index
         if idx is None or idx.loads is not loads or idx.size != len(loads):
             self._index = None
-            horizon: dict[str, float] = {}
-            for r in loads:  # forget routings already reflected in a newer report
-                routed = self._routed.get(r.instance_id)
-                if routed is not None:
-                    routed.prune(r.time)
-                horizon[r.instance_id] = max(r.time, horizon.get(r.instance_id, r.time))
+            horizon = {r.instance_id: r.time for r in loads}  # each instance's one report
             if len(horizon) != len(loads):  # the same instance twice: leave it to the full scan
+                for r in loads:  # forget routings already reflected in a newer report
+                    routed = self._routed.get(r.instance_id)
+                    if routed is not None:
+                        routed.prune(r.time)
                 return self.pick_prefill(loads)
-            reports = {r.instance_id: r for r in accepting(loads, Role.PREFILL)}
-            key = {iid: load_key(r, extra_tokens=self._extra(r)) for iid, r in reports.items()}
+            for iid, routed in self._routed.items():  # forget routings already reflected in the report
+                if routed.heap:
+                    t = horizon.get(iid)
+                    if t is not None:
+                        routed.prune(t)
+            # the candidates (``accepting``'s, in any order: the heap's least key is the same) keyed by
+            # ``load_key(r, extra_tokens=self._extra(r))``, which after the pruning above is ``total`` routed since
+            reports = {r.instance_id: r for r in accepting(loads, Role.PREFILL, ordered=False)}
+            routed_of = self._routed.get
+            key = {}
+            for iid, r in reports.items():
+                routed = routed_of(iid)
+                key[iid] = load_key(r, extra_tokens=0 if routed is None else routed.total)
             idx = self._index = _PrefillIndex(loads, reports, horizon, key)
         elif idx.dirty:
             reports, key, heap = idx.reports, idx.key, idx.heap

@@ -130,9 +130,27 @@ class KeepDecodeConfig:
 def prompt_only_instance(prefill_ids: Iterable[str]) -> str | None:
     """The prefill instance that keeps no decodes under ``KeepDecodeConfig.prompt_instance``: the first of the ACTIVE
     prefill instances ``prefill_ids`` in id order when there are two or more, else None (a lone prefill instance
-    keeps)."""
+    keeps).
+
+    A tuple's answer is remembered for the very same tuple object (immutable: the answer cannot change; held, so
+    its id is not reused): a caller that passes one tuple per monitor broadcast (the simulator's prefill
+    instances, once per prefilled request) pays the O(I log I) sort once per broadcast, not per request."""
+    memo = _prompt_only_memo
+    if memo[0] is prefill_ids:
+        return memo[1]
     ids = sorted(set(prefill_ids))
-    return ids[0] if len(ids) >= 2 else None
+    answer = ids[0] if len(ids) >= 2 else None
+    if prefill_ids.__class__ is tuple:
+        _remember_prompt_only(prefill_ids, answer)  # type: ignore[arg-type]
+    return answer
+
+
+_prompt_only_memo: tuple[tuple[str, ...] | None, str | None] = (None, None)  # (the last tuple asked about, answer)
+
+
+def _remember_prompt_only(prefill_ids: tuple[str, ...], answer: str | None) -> None:
+    global _prompt_only_memo
+    _prompt_only_memo = (prefill_ids, answer)  # one assignment: a reader sees the old pair or the new one
 
 
 def keep_offer_targets(config: KeepDecodeConfig, instance_id: str, prefill_ids: Iterable[str]) -> tuple[str, ...]:

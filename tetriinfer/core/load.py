@@ -132,10 +132,14 @@ def load_key(report: LoadReport, extra_tokens: int = 0) -> LoadKey:
     return (report.kv_usage, report.num_queued + report.num_running, 0, report.instance_id)
 
 
-def accepting(reports: Iterable[LoadReport], role: Role) -> list[LoadReport]:
-    """The reports of ACTIVE instances of ``role``, sorted by instance id."""
+def accepting(reports: Iterable[LoadReport], role: Role, *, ordered: bool = True) -> list[LoadReport]:
+    """The reports of ACTIVE instances of ``role``, sorted by instance id (``ordered=False``: in the order given,
+    for a caller whose result does not depend on the order)."""
     active = InstanceState.ACTIVE
-    return sorted([r for r in reports if r.role is role and r.state is active], key=_instance_id)
+    out = [r for r in reports if r.role is role and r.state is active]
+    if ordered:
+        out.sort(key=_instance_id)
+    return out
 
 
 _instance_id = operator.attrgetter("instance_id")

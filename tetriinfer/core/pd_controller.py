@@ -229,16 +229,25 @@ class PDController:
             busy = r.utilization if r.num_queued > 0 or r.num_running == 0 else 0.0
             return (r.utilization + backlog,  # ``prefill_load(r, backlog_full_tokens)``, its backlog term reused
                     busy + backlog, float(r.num_queued), float(r.num_running), 0.0, 0.0)
-        local = float(r.num_queued) if r.num_prefill_tokens > 0 else 0.0
-        pressure = kv_pressure(r)
+        queued, running = r.num_queued, r.num_running
+        local = float(queued) if r.num_prefill_tokens > 0 else 0.0
+        # ``kv_pressure(r)``, inline (the same operations): KV usage with the waiting requests counted
+        used = r.num_used_blocks
+        total = r.num_free_blocks + used  # ``r.num_blocks``
+        usage = used / total if total else 0.0  # ``r.kv_usage``
+        if running == 0:
+            pressure = 1.0 if queued else usage
+        else:
+            pressure = min(2.0, usage * (running + queued) / running)
         inflation = r.step_inflation
         return (pressure if pressure >= inflation else inflation,  # ``decode_load(r)``: max(pressure, inflation)
-                backlog, local, float(r.num_running + r.num_queued) - local, inflation, pressure)
+                backlog, local, float(running + queued) - local, inflation, pressure)
 
     def _update_smoothing(self, reports: Sequence[LoadReport], now: float) -> None:
         tau = self.config.smoothing_s
         roles, features = self.flips.roles, self._features
         vecs, smooth, smooth_at = self._vec, self._smooth, self._smooth_at
+        last_dt, a = None, 0.0  # the weight of the last time step seen (instances reported together share it)
         for r in reports:
             iid = r.instance_id
             role = roles.get(iid)
@@ -251,7 +260,9 @@ class PDController:
             elif old == x:  # at its input already: o + a * (x - o) is o exactly (no feature is ever -0.0 or NaN)
                 vec = old
             else:
-                a = 1.0 - math.exp(-max(0.0, now - smooth_at[iid]) / tau)
+                dt = now - smooth_at[iid]
+                if dt != last_dt:
+                    last_dt, a = dt, 1.0 - math.exp(-max(0.0, dt) / tau)
                 o0, o1, o2, o3, o4, o5 = old  # o + a * (n - o) per feature (six, as ``_features`` makes them)
                 x0, x1, x2, x3, x4, x5 = x
                 vec = (o0 + a * (x0 - o0), o1 + a * (x1 - o1), o2 + a * (x2 - o2), o3 + a * (x3 - o3),

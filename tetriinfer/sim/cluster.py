@@ -172,6 +172,7 @@ class SimCluster:
         self.loop = EventLoop()
         self.steady_runs = config.steady_runs  # read by every instance made (``SimInstance.steady_runs``)
         self.links = Links(config.link_bandwidth, config.link_latency)
+        self._oracle = c.role_policies().predictor == "oracle"  # length predictions (read per request)
         self.policy = GlobalPolicy(LocalPrefillConfig(enabled=c.local_prefill and c.disaggregated,
                                                       interference_weight=c.local_prefill_weight),
                                    c.prefix_affinity())
@@ -320,7 +321,7 @@ class SimCluster:
             sampling_params=SamplingParams(max_tokens=wreq.output_tokens, temperature=0.0, ignore_eos=True),
             arrival_time=now, eos_token_id=None,
         )
-        if self.config.cluster.role_policies().predictor == "oracle":
+        if self._oracle:
             g = PREDICTION_GRANULARITY
             bucket = wreq.output_tokens // g
             if self._rng.random() >= self.config.predictor_accuracy:

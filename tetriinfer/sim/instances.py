@@ -174,15 +174,18 @@ class SteadyRun:
     compares with; ``costs`` itself when there is one row or nobody reads it). ``started`` / ``ended`` count steps
     whose start / end bookkeeping is done, ``done`` the scheduler's half steps, ``half_steps`` where the clock's
     last sync puts them (``done`` lags it between a ``_sync_books`` and the next ``sync``), ``streamed`` the steps
-    whose tokens the host has (``ended`` or, with ``defer_streams``, as far as the last ``sync``).
+    whose tokens the host has (``ended`` or, with ``defer_streams``, as far as the last ``sync``), ``spans_from`` the
+    first started step whose busy span is still to be counted by a report (``SimInstance.take_utilization``: steps
+    ``spans_from..started - 1`` are the instance's utilization spans after its ``_spans``, read from ``ends``
+    instead of stored as pairs; moved to ``_spans`` when the run ends).
 
     Invariant: every sync leaves ``ends[-1] > now`` unless all ``length`` steps are priced, so whatever it reads of
     the steps up to the one in flight is what pricing the whole run at once would give; and since step prices are
     positive, the last chunk is priced before the clock reaches the run's end (where its end event is placed)."""
 
     __slots__ = ("scheduler", "request_ids", "t0", "length", "costs", "ones", "ends", "started", "ended", "done",
-                 "half_steps", "streamed", "defer_streams", "timer", "end_seq", "synced_at", "_price", "_context_sum",
-                 "_one_context")
+                 "half_steps", "streamed", "spans_from", "defer_streams", "timer", "end_seq", "synced_at", "_price",
+                 "_context_sum", "_one_context")
 
     def __init__(self, scheduler: SteadyScheduler, request_ids: list[str], t0: float, length: int,
                  price: Callable[[int, int, int], list[float] | None], context_sum: int,
@@ -195,7 +198,7 @@ class SteadyRun:
         self.costs: list[float] = []
         self.ones: list[float] = self.costs if one_context is None else []
         self.ends: list[float] = []
-        self.started = self.ended = self.done = self.half_steps = self.streamed = 0
+        self.started = self.ended = self.done = self.half_steps = self.streamed = self.spans_from = 0
         self.defer_streams = False  # stream tokens at ``sync`` only, not at every ``_sync_books`` (set by the owner)
         self.timer: Timer | None = None
         self.end_seq = -1  # the event order reserved for the run's end when it began (``EventLoop.reserve``)
@@ -363,20 +366,18 @@ class SimInstance:
         if now == run.synced_at:  # brought to this instant already (a report right after its utilization)
             return run
         run.synced_at = now
-        while run.ends[-1] <= now and not run.fully_priced:  # the clock passed the priced steps: price on
+        ends, costs = run.ends, run.costs
+        while ends[-1] <= now and len(costs) < run.length:  # passed the priced steps (not ``fully_priced``): price on
             run.price_more()
-        ends, costs, k = run.ends, run.costs, len(run.costs)
+        k = len(costs)
         e = bisect_right(ends, now)  # steps ended by now
         if e > k:
             e = k
         b = e + 1 if e < k else k
-        if b > run.started:  # step starts: as ``_start`` accounts each step
-            spans = self._spans
+        if b > run.started:  # step starts: as ``_start`` accounts each step (its span: steps from ``spans_from``)
             busy = self.busy_s
-            for s in range(run.started, b):
-                c = costs[s]
+            for c in costs[run.started:b]:
                 busy += c
-                spans.append((run.t0 if s == 0 else ends[s - 1], ends[s]))
             self.busy_s = busy
             self.steps += b - run.started
             self.step_seconds = costs[b - 1]
@@ -395,9 +396,21 @@ class SimInstance:
     def _end_run(self) -> None:
         """The run's last step ended: as ``_finish`` after a step."""
         self.sync()
-        self._run = None
+        self._drop_run()
         self.stepping = False
         self._between_steps_then_start()
+
+    def _drop_run(self) -> None:
+        """The run in flight is over: the spans of its steps not yet counted by a report join ``_spans`` (after the
+        ones there, as ``_start`` would have appended them step by step)."""
+        run = self._run
+        assert run is not None
+        if run.spans_from < run.started:
+            ends = run.ends
+            s0 = run.spans_from
+            first = run.t0 if s0 == 0 else ends[s0 - 1]
+            self._spans.extend(zip([first, *ends[s0:run.started - 1]], ends[s0:run.started], strict=True))
+        self._run = None
 
     def interrupt(self) -> None:
         """Something is about to change this instance: end a steady run in flight after its current step, which
@@ -406,7 +419,7 @@ class SimInstance:
         if run is None:
             return
         self.sync()
-        self._run = None
+        self._drop_run()
         assert run.timer is not None
         run.timer.cancel()
         if run.ended == len(run.costs):  # its last step ended at this very instant: the next one starts first
@@ -504,7 +517,7 @@ class SimInstance:
         report is that one restamped to ``now`` (``core.load.restamped``: equal to building it again). Invariant:
         the result equals ``report(now, take_utilization(interval_s))`` field for field, and leaves the
         instance as that would (nothing to take: no span, no inflation window)."""
-        if self.is_quiet():
+        if self._run is None and self.is_quiet():  # (never quiet with a steady run in flight)
             key = (self.state, self.kv.num_free_blocks)
             if key == self._quiet_key:
                 return restamped(self._quiet_report, now)  # type: ignore[arg-type]
@@ -526,10 +539,13 @@ class SimInstance:
         report it spans, as the real instance, which cannot report mid-step, shows)."""
         if interval_s <= 0:
             return 0.0
-        if self._run is not None:
+        run = self._run
+        if run is not None:
             self._sync_books()
+            if run.spans_from == run.started:
+                run = None  # no span of the run to count
         spans = self._spans
-        if not spans:  # no step since the last report: idle (what the sum below gives: 0.0 / interval_s)
+        if not spans and run is None:  # no step since the last report: idle (what the sum below gives)
             return min(1.0, 0.0 / interval_s)
         now = self.host.loop.now
         lo = now - interval_s
@@ -542,6 +558,19 @@ class SimInstance:
             if end > now:
                 kept.append((start, end))
         self._spans = kept
+        if run is not None:  # then the run's steps, after ``_spans`` (``_drop_run``): the same terms in order
+            ends, s0, stop = run.ends, run.spans_from, run.started
+            start = run.t0 if s0 == 0 else ends[s0 - 1]
+            first_kept = stop
+            for s in range(s0, stop):
+                end = ends[s]
+                part = (end if end < now else now) - (start if start > lo else lo)
+                if part > 0:
+                    busy += part
+                if end > now and first_kept == stop:
+                    first_kept = s  # ends grow: every later step is kept too
+                start = end
+            run.spans_from = first_kept
         return min(1.0, busy / interval_s)
 
 
