@@ -95,8 +95,8 @@ class KeepDecodeConfig:
     commitment: str | None = None
     # one of two or more prefill instances keeps no decodes (module docstring); None: on under the cost rule
     prompt_instance: bool | None = None
-    # the prompt-only instance offers what it prefills to the keeping ones (module docstring); None: off
-    offer_to_keepers: bool | None = None
+    # the prompt-only instance offers what it prefills to the keeping ones (module docstring)
+    offer_to_keepers: bool = False
 
     def __post_init__(self) -> None:
         if self.rule not in KEEP_RULES:
@@ -105,8 +105,6 @@ class KeepDecodeConfig:
             object.__setattr__(self, "commitment", "peak" if self.rule == "cost" else "full")
         if self.prompt_instance is None:
             object.__setattr__(self, "prompt_instance", self.rule == "cost")
-        if self.offer_to_keepers is None:
-            object.__setattr__(self, "offer_to_keepers", False)
         if self.commitment not in KEEP_COMMITMENTS:
             raise ValueError(f"keep-decode commitment must be one of {', '.join(KEEP_COMMITMENTS)}, "
                              f"got {self.commitment!r}")
@@ -249,7 +247,7 @@ def should_keep(
         own_after = (own_committed_blocks + request_blocks) / pool_blocks
         if kv_after >= config.min_decode_pressure and own_after < kv_after:
             return True  # memory-bound decode tier: share the pools
-        lone = len(set(prefill_ids)) < 2  # no other prefill instance to take the prompts (module docstring)
+        lone = prompt_only_instance(prefill_ids) is None  # no other prefill instance takes the prompts
         min_inflation = config.lone_min_step_inflation if lone else config.min_step_inflation
         return (least.step_inflation >= min_inflation and own_after < max(kv_after, 0.5)
                 and own_running + 1 <= least.num_running)  # compute-bound: share the batch
