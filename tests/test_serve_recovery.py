@@ -37,28 +37,44 @@ def _instances(srv: ServeProcess) -> dict[str, dict]:
 
 def _run_with_kill(srv: ServeProcess, model: str, ids: range, victim: str | None,
                    ready: str) -> list[tuple[str, str | None, int]]:
-    """Run the streams ``ids`` at once; once ``ready`` holds on the victim, kill -9 it -- while it holds streams:
-    the victim is stopped (SIGSTOP) first, and killed only if the router then counts streams it holds (its reports
-    lag by a report interval, so a queue they show may already have drained); else it resumes and the wait goes on."""
+    """Run the streams ``ids`` at once and kill -9 ``victim`` while it holds some of them.
+
+    ``ready="queued"``: the victim is frozen (SIGSTOP) before the streams start, so whatever the router sends it waits
+    unread in its queue; it is killed once the router counts a stream it holds. ``ready="running"``: once the victim
+    reports a running request, it is frozen and, after the router has taken in what it sent before (a prefill handed
+    on, a last token), killed only if the router still counts a stream it holds; else it resumes and the wait goes on.
+    Either way the kill always lands on held streams, so every one of them must be recovered."""
+
+    async def held_by_victim(client: httpx.AsyncClient) -> tuple[dict, int]:
+        info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
+        inst = {i["id"]: i for i in info["instances"]}[victim]
+        return info | {"victim": inst}, inst["streams_held"]
 
     async def go() -> list[tuple[str, str | None, int]]:
         async with httpx.AsyncClient() as client:
+            pid = _instances(srv)[victim]["pid"] if victim is not None else None
+            if pid is not None and ready == "queued":
+                os.kill(pid, signal.SIGSTOP)
             tasks = [asyncio.create_task(_stream(client, srv.base_url, model, i)) for i in ids]
-            if victim is not None:
+            if pid is not None:
                 deadline = time.monotonic() + 60
                 while True:
-                    info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
-                    inst = {i["id"]: i for i in info["instances"]}[victim]
-                    ready_now = inst[ready] >= 1 and info["requests_in_flight"] >= len(ids) // 2
-                    if ready_now or time.monotonic() > deadline:
-                        os.kill(inst["pid"], signal.SIGSTOP)
-                        info = (await client.get(f"{srv.base_url}/cluster", timeout=10)).json()
-                        held = {i["id"]: i for i in info["instances"]}[victim]["streams_held"]
+                    info, held = await held_by_victim(client)
+                    if ready == "queued":
+                        if held >= 1 or time.monotonic() > deadline:
+                            assert held >= 1, f"{victim} was never sent a stream"
+                            os.kill(pid, signal.SIGKILL)
+                            break
+                    elif (info["victim"][ready] >= 1 and info["requests_in_flight"] >= len(ids) // 2
+                          or time.monotonic() > deadline):
+                        os.kill(pid, signal.SIGSTOP)
+                        await asyncio.sleep(0.3)
+                        _, held = await held_by_victim(client)
                         if held >= 1 or time.monotonic() > deadline:
                             assert held >= 1, f"{victim} never held a stream"
-                            os.kill(inst["pid"], signal.SIGKILL)
+                            os.kill(pid, signal.SIGKILL)
                             break
-                        os.kill(inst["pid"], signal.SIGCONT)
+                        os.kill(pid, signal.SIGCONT)
                     await asyncio.sleep(0.02)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
 
