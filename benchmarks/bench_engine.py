@@ -50,8 +50,10 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -270,10 +272,12 @@ def step_benchmarks(llm: LLM, cfg: BenchConfig, res: DtypeResult, bar: tqdm) -> 
 # (a): end-to-end
 
 
-def run_engine(llm: LLM, wl: Workload) -> float:
+def run_engine(llm: LLM, wl: Workload, on_start: Callable[[], None] | None = None) -> float:
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     params = [SamplingParams(max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0) for o in wl.outputs]
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    if on_start is not None:
+        on_start()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     secs = time.perf_counter() - t0
@@ -476,6 +480,8 @@ class VsRow:
     vllm_s: float = math.nan
     vllm_error: str = ""
     baseline_s: float = math.nan  # the engine at --engine-baseline-ref, same prompts, same threads
+    engine_decode_steps_s: float = math.nan  # the run's decode-only steps, timed one by one around the runner
+    engine_decode_steps: int = 0
 
     @property
     def engine_decode_s(self) -> float:
@@ -502,21 +508,48 @@ def heldout_chat_prompts(model: Path, n: int, seed: int) -> list[list[int]]:
     return out
 
 
+class DecodeStepClock:
+    """Wraps an engine's runner: sums the wall time of the steps whose every segment is a decode (one new token
+    after a cached prefix). A direct measure of decode, where "the run minus a prefill-only pass" is the difference
+    of two noisy timings taken apart."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds = 0.0
+        self.steps = 0
+        runner = llm.engine.runner
+        execute = runner.execute
+
+        def timed(step: Any) -> Any:
+            t0 = time.perf_counter()
+            out = execute(step)
+            if step.segments and all(seg.start > 0 and len(seg.token_ids) == 1 for seg in step.segments):
+                self.seconds += time.perf_counter() - t0
+                self.steps += 1
+            return out
+
+        runner.execute = timed
+
+    def reset(self) -> None:
+        self.seconds, self.steps = 0.0, 0
+
+
 def _engine_seconds(model: Path, dtype: str, threads: int, chunk_size: int, wl: Workload,
-                    seed: int) -> tuple[float, float]:
-    """-> (seconds of the whole workload, seconds of a prefill-only pass over the same prompts), one engine of
-    ``threads`` threads (each pass after a warm-up)."""
+                    seed: int) -> tuple[float, float, float, int]:
+    """-> (seconds of the whole workload, seconds of a prefill-only pass over the same prompts, seconds and count
+    of the workload's decode-only steps), one engine of ``threads`` threads (each pass after a warm-up)."""
     llm = LLM(model=str(model), dtype=dtype, chunk_size=chunk_size, num_threads=threads, kv_cache_memory_gb=2.0,
               max_model_len=2048, seed=seed)
+    clock = DecodeStepClock(llm)
     try:
-        total = run_engine(llm, wl)
+        total = run_engine(llm, wl, on_start=clock.reset)
+        decode_s, decode_steps = clock.seconds, clock.steps
         prompts = [{"prompt_token_ids": p} for p in wl.prompts]
         t0 = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         prefill = time.perf_counter() - t0
     finally:
         del llm
-    return total, prefill
+    return total, prefill, decode_s, decode_steps
 
 
 BASELINE_ENGINE_SCRIPT = r"""
@@ -576,10 +609,10 @@ def run_vs_vllm(cfg: VsVllmConfig) -> list[VsRow]:
     for dtype in cfg.dtypes:
         for threads in cfg.threads:  # engine, its baseline, then vLLM on the same thread count, back to back
             row = VsRow(dtype, threads)
-            row.engine_s, row.engine_prefill_s = _engine_seconds(cfg.model, dtype, threads, cfg.chunk_size, wl,
-                                                                 cfg.seed)
-            print(f"[{dtype} x{threads}] engine {row.engine_s:.1f} s (prefill-only pass {row.engine_prefill_s:.1f} s)",
-                  flush=True)
+            (row.engine_s, row.engine_prefill_s, row.engine_decode_steps_s,
+             row.engine_decode_steps) = _engine_seconds(cfg.model, dtype, threads, cfg.chunk_size, wl, cfg.seed)
+            print(f"[{dtype} x{threads}] engine {row.engine_s:.1f} s (prefill-only pass {row.engine_prefill_s:.1f} s; "
+                  f"{row.engine_decode_steps} decode-only steps {row.engine_decode_steps_s:.1f} s)", flush=True)
             if tree is not None:
                 row.baseline_s = run_baseline_engine(tree, cfg, dtype, threads, wl)
                 print(f"[{dtype} x{threads}] engine at {cfg.engine_baseline_ref} {row.baseline_s:.1f} s", flush=True)
@@ -620,18 +653,21 @@ def vs_markdown(cfg: VsVllmConfig, rows: list[VsRow], wl: Workload, load: str, t
         f"{time.strftime('%Y-%m-%d', time.gmtime())}, {total_s / 60:.1f} min. "
         f"`python benchmarks/bench_engine.py {' '.join(sys.argv[1:])}`",
         "",
-        "| dtype | threads | engine s | engine decode s | vLLM s | engine speed vs vLLM | engine vs its "
-        f"{cfg.threads[0]}-thread run | engine decode vs {cfg.threads[0]}-thread | vLLM vs its "
-        f"{cfg.threads[0]}-thread run |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| dtype | threads | engine s | engine decode s | engine decode steps s | vLLM s | engine speed vs vLLM | "
+        f"engine vs its {cfg.threads[0]}-thread run | engine decode vs {cfg.threads[0]}-thread | engine decode steps "
+        f"vs {cfg.threads[0]}-thread | vLLM vs its {cfg.threads[0]}-thread run |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         b = first[r.dtype]
         vllm = "failed" if r.vllm_error else _fmt(r.vllm_s, ".1f")
         lines.append(
-            f"| {r.dtype} | {r.threads} | {r.engine_s:.1f} | {r.engine_decode_s:.1f} | {vllm} | "
+            f"| {r.dtype} | {r.threads} | {r.engine_s:.1f} | {r.engine_decode_s:.1f} | "
+            f"{_fmt(r.engine_decode_steps_s, '.2f')} | {vllm} | "
             f"{_fmt(r.vllm_s / r.engine_s, '.2f', 'x')} | {b.engine_s / r.engine_s:.2f}x | "
-            f"{b.engine_decode_s / r.engine_decode_s:.2f}x | {_fmt(b.vllm_s / r.vllm_s, '.2f', 'x')} |")
+            f"{b.engine_decode_s / r.engine_decode_s:.2f}x | "
+            f"{_fmt(b.engine_decode_steps_s / r.engine_decode_steps_s, '.2f', 'x')} | "
+            f"{_fmt(b.vllm_s / r.vllm_s, '.2f', 'x')} |")
     if cfg.engine_baseline_ref:
         lines += ["", f"The engine at `{cfg.engine_baseline_ref}` on the same prompts, same threads, same run:", "",
                   f"| dtype | threads | engine s | engine at {cfg.engine_baseline_ref} s | speed-up |",
@@ -639,7 +675,9 @@ def vs_markdown(cfg: VsVllmConfig, rows: list[VsRow], wl: Workload, load: str, t
         lines += [f"| {r.dtype} | {r.threads} | {r.engine_s:.1f} | {_fmt(r.baseline_s, '.1f')} | "
                   f"{_fmt(r.baseline_s / r.engine_s, '.2f', 'x')} |" for r in rows]
     lines += ["", "Speeds are ratios of wall times (higher is faster); engine decode = its run minus a prefill-only "
-              "pass over the same prompts."]
+              "pass over the same prompts; engine decode steps = the wall time of the run's decode-only steps (every "
+              "row one new token after its cached prefix), each timed around the engine's runner"
+              + (f" ({rows[0].engine_decode_steps} of them)" if rows else "") + "."]
     lines += [f"- {r.dtype} x{r.threads}: vLLM failed: `{r.vllm_error}`" for r in rows if r.vllm_error]
     return "\n".join(lines) + "\n"
 
