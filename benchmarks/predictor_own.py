@@ -33,7 +33,8 @@ def extract_raw(model_dir: Path, instructions: list[str], steps: int, out: Path)
 
     from tetriinfer.predictor.own import FeatureExtractor, OwnFeatureConfig, served_prompt_ids
 
-    ex = FeatureExtractor(model_dir, OwnFeatureConfig(layers=LAYERS, prefix_steps=steps), num_threads=1)
+    ex = FeatureExtractor(model_dir, OwnFeatureConfig(layers=LAYERS, pooling=("last", "mean"), prefix_steps=steps),
+                          num_threads=1)
     last, mean, ent, top1, gen, ptok, secs = [], [], [], [], [], [], []
     with torch.inference_mode():
         for i, text in enumerate(instructions):

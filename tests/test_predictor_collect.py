@@ -118,6 +118,27 @@ def test_torn_last_line_is_repaired_on_resume(tmp_path: Path, server: FakeServer
     assert len(lines) == 3 and all(json.loads(line) for line in lines)
 
 
+def test_sampled_collection_sends_a_seed_per_prompt_that_a_rerun_repeats(tmp_path: Path, server: FakeServer) -> None:
+    cfg = CollectConfig(url=server.url, model="fake", chat=True, temperature=0.7, sample_seed=5)
+    collect_lengths(PROMPTS[:6], tmp_path / "a.jsonl", cfg, show_progress=False)
+    first = {b["messages"][0]["content"]: b["seed"] for _, b in server.requests}
+    assert all(b["temperature"] == 0.7 for _, b in server.requests)
+    assert len(set(first.values())) == 6  # one seed per prompt, not one for the run
+    rows = {json.loads(line)["prompt"]: json.loads(line)["seed"] for line in (tmp_path / "a.jsonl").read_text().splitlines()}
+    assert rows == first  # the record says which seed drew the answer
+    server.requests.clear()
+    collect_lengths(list(reversed(PROMPTS[:6])), tmp_path / "b.jsonl", cfg, show_progress=False)
+    assert {b["messages"][0]["content"]: b["seed"] for _, b in server.requests} == first  # order does not matter
+    server.requests.clear()
+    other = CollectConfig(url=server.url, model="fake", chat=True, temperature=0.7, sample_seed=6)
+    collect_lengths(PROMPTS[:6], tmp_path / "c.jsonl", other, show_progress=False)
+    assert {b["messages"][0]["content"]: b["seed"] for _, b in server.requests} != first
+    server.requests.clear()
+    greedy = CollectConfig(url=server.url, model="fake", chat=True, sample_seed=5)  # temperature 0: no seed sent
+    collect_lengths(PROMPTS[:2], tmp_path / "d.jsonl", greedy, show_progress=False)
+    assert all("seed" not in b for _, b in server.requests)
+
+
 def test_collect_config_validation() -> None:
     with pytest.raises(ValueError, match="http"):
         CollectConfig(url="localhost:8000", model="m")

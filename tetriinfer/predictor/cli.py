@@ -52,6 +52,9 @@ def add_subparsers(subparsers: Any) -> None:
     b.add_argument("--chat", action="store_true", help="use /v1/chat/completions instead of /v1/completions")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of collected requests (0: greedy; e.g. 0.7 for sampled lengths)")
+    b.add_argument("--sample-seed", type=int, default=None,
+                   help="with --temperature > 0: send each prompt a seed derived from this and the prompt text "
+                        "(reproducible sampled lengths)")
     b.set_defaults(handler=_build_dataset)
 
     d = sub.add_parser("build-default", help="train the default predictor (on the default model's own lengths)")
@@ -145,6 +148,7 @@ def _build_dataset(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             chat=args.chat,
             temperature=args.temperature,
+            sample_seed=args.sample_seed,
         )
         prompts: list[str] = []
         for f in files:

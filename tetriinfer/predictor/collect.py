@@ -9,6 +9,7 @@ already in the file. Invariant: the file never holds two lines for one prompt wr
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ class CollectConfig:
     max_tokens: int = 1024
     chat: bool = False
     temperature: float = 0.0
+    sample_seed: int | None = None  # with temperature > 0: each prompt's request seed derives from it and the prompt
     timeout_s: float = 600.0
     retries: int = 2
 
@@ -89,12 +91,21 @@ def _repair_tail(out_file: Path) -> None:
         out_file.write_bytes(data[: cut + 1] if cut >= 0 else b"")
 
 
+def prompt_seed(prompt: str, sample_seed: int) -> int:
+    """The request seed of one prompt: a function of the prompt text and ``sample_seed`` only, so a resumed or
+    repeated collection draws the same answer for the same prompt from a server that honours ``seed``."""
+    digest = hashlib.sha256(f"sample:{sample_seed}:{prompt}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 def _payload(config: CollectConfig, prompt: str) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": config.model,
         "max_tokens": config.max_tokens,
         "temperature": config.temperature,
     }
+    if config.sample_seed is not None and config.temperature > 0:
+        body["seed"] = prompt_seed(prompt, config.sample_seed)
     if config.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -128,9 +139,10 @@ async def _collect_async(
                 nonlocal collected
                 async with sem:
                     last: str = ""
+                    body = _payload(config, prompt)
                     for _attempt in range(config.retries + 1):
                         try:
-                            resp = await client.post(config.endpoint, json=_payload(config, prompt))
+                            resp = await client.post(config.endpoint, json=body)
                             resp.raise_for_status()
                             n, text, finish = _parse(config, resp.json())
                         except (httpx.HTTPError, ValueError, json.JSONDecodeError) as exc:
@@ -143,6 +155,8 @@ async def _collect_async(
                             "model": config.model,
                             "response_text": text,
                         }
+                        if "seed" in body:
+                            line["seed"] = body["seed"]
                         fh.write(json.dumps(line, ensure_ascii=False) + "\n")
                         fh.flush()
                         collected += 1
