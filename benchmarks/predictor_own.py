@@ -11,6 +11,11 @@ g=200 against the majority bucket of the training part, and Spearman between the
 midpoint and the true length (``metrics.granularity_report``).
 
     nice python benchmarks/predictor_own.py --features /tmp/own_feats.npz --out docs/predictor_own.json
+    nice python benchmarks/predictor_own.py --features /tmp/own_feats.npz --lengths sampled \
+        --out /tmp/predictor_own_sampled.json       # the answers sampled at temperature 0.7
+
+Columns per granularity: accuracy, majority accuracy, Spearman of the predicted bucket's midpoint, Spearman of
+the expected length under the predicted probabilities (mean ± standard deviation over the split seeds).
 """
 
 from __future__ import annotations
@@ -93,7 +98,8 @@ def main() -> int:
     from tetriinfer.predictor.target_tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default=None, help="collected JSONL (default: the shipped file)")
+    ap.add_argument("--lengths", default="greedy",
+                    help="collected JSONL, or the shipped lengths of the default model: greedy (default) or sampled")
     ap.add_argument("--model", default=None, help="served model folder (default: the default model)")
     ap.add_argument("--features", required=True, help="raw feature cache (.npz); made when missing")
     ap.add_argument("--steps", type=int, default=32, help="greedy steps kept in the cache")
@@ -103,8 +109,8 @@ def main() -> int:
     a = ap.parse_args()
 
     model = Path(a.model) if a.model else default_model_path()
-    rows = [json.loads(x) for x in Path(a.lengths or shipped_lengths_path()).read_text(encoding="utf-8").splitlines()
-            if x.strip()]
+    lengths = shipped_lengths_path(a.lengths) if a.lengths in ("greedy", "sampled") else Path(a.lengths)
+    rows = [json.loads(x) for x in lengths.read_text(encoding="utf-8").splitlines() if x.strip()]
     instructions = [r["prompt"] for r in rows]
     y = np.array([r["output_tokens"] for r in rows], dtype=np.int64)
     feats = Path(a.features)
@@ -124,10 +130,16 @@ def main() -> int:
         **{f"L{x} last+mean, two-stage": ((x,), ("last", "mean"), 0, "two-stage") for x in (8, 16, 20, 24, 30)},
         **{f"L{x} last+mean + prefix{k}, two-stage": ((x,), ("last", "mean"), k, "two-stage")
            for x in (16, 24) for k in (16, 32)},
+        **{f"L{x} last+mean, multinomial": ((x,), ("last", "mean"), 0, "multinomial") for x in (20, 24)},
+        **{f"L{x} last, multinomial": ((x,), ("last",), 0, "multinomial") for x in (16, 20, 24)},
+        "L16+20+24 last, multinomial": ((16, 20, 24), ("last",), 0, "multinomial"),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants}
     results: dict[str, Any] = {}
+    print("| features | " + " | ".join(f"{k} g={g}" for g in (100, 200)
+                                       for k in ("acc", "majority", "Spearman", "Spearman_E")) + " |")
+    print("|---|" + "---|" * 8, flush=True)
     for name, (layers, pooling, steps, head_kind) in variants.items():
         x = feature_matrix(f, layers, pooling, steps, end_ids)
         runs = []
@@ -155,7 +167,8 @@ def main() -> int:
         results[name] = {"layers": list(layers), "pooling": list(pooling), "prefix_steps": steps,
                          "head": head_kind, "features": int(x.shape[1]), "runs": runs}
         print(f"| {name} | " + " | ".join(_cell(runs, g, k) for g in ("100", "200")
-                                         for k in ("accuracy", "majority_accuracy", "spearman")) + " |",
+                                         for k in ("accuracy", "majority_accuracy", "spearman", "spearman_expected"))
+              + " |",
               flush=True)
     cost = {"steps_cached": int(f["ent"].shape[1])}
     if "secs" in f:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tetriinfer.predictor.default import (
     resolve_predictor,
     served_prompt_text,
@@ -38,3 +40,41 @@ def test_shipped_lengths_are_the_default_models_own(tmp_path: Path, smollm2: Pat
     assert [o["output_tokens"] for o in out] == [r["output_tokens"] for r in rows[:3]]
     assert all("response_text" not in o and o["prompt"].startswith("system\n") for o in out)
     assert resolve_predictor("oracle") == "oracle" and resolve_predictor("/some/dir") == "/some/dir"
+
+
+def test_shipped_sampled_lengths_answer_the_same_prompts_with_their_seeds() -> None:
+    from tetriinfer.predictor.collect import prompt_seed
+
+    greedy = [json.loads(line) for line in shipped_lengths_path("greedy").read_text(encoding="utf-8").splitlines()]
+    sampled = [json.loads(line) for line in shipped_lengths_path("sampled").read_text(encoding="utf-8").splitlines()]
+    assert [r["prompt"] for r in sampled] == [r["prompt"] for r in greedy]  # same prompts, same order
+    assert {r["model"] for r in sampled} == {"smollm2-135m-instruct"} and {r["temperature"] for r in sampled} == {0.7}
+    assert all(r["seed"] == prompt_seed(r["prompt"], 0) for r in sampled)  # reproducible: the collector's seeds
+    assert all(r["finish_reason"] == "stop" or r["output_tokens"] == 1024 for r in sampled)
+    # sampling ends more answers than greedy decoding does (greedy loops to the cap on about half the prompts)
+    assert sum(r["output_tokens"] == 1024 for r in sampled) < sum(r["output_tokens"] == 1024 for r in greedy)
+
+
+def test_unknown_shipped_lengths_name_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="greedy, sampled"):
+        shipped_lengths_path("nucleus")
+
+
+def test_sampled_predictor_is_made_once_in_the_cache_with_its_recipe(tmp_path: Path, tiny_llama: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tetriinfer.predictor import default
+    from tetriinfer.predictor.own import OwnModelPredictor
+
+    mp = monkeypatch
+    mp.setattr(default, "SAMPLED_LAYERS", (1,))  # the tiny model has 2 layers; the recipe's is 20 of 30
+    mp.setattr("tetriinfer.engine.make_model.default_model_path", lambda: tiny_llama)
+    path = default.sampled_predictor_path(tmp_path)
+    assert path == tmp_path / "predictors" / "smollm2-135m-instruct-sampled-g100"
+    tc = json.loads((path / "predictor.json").read_text(encoding="utf-8"))["train_config"]
+    assert tc["head"] == "multinomial" and tc["train_prompts"] == 805
+    assert tc["features"]["pooling"] == ["last"] and tc["features"]["prefix_steps"] == 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no staging folder left behind
+    stamp = (path / "predictor.json").stat().st_mtime_ns
+    assert default.sampled_predictor_path(tmp_path) == path  # made once: the second call reuses it
+    assert (path / "predictor.json").stat().st_mtime_ns == stamp
+    assert OwnModelPredictor.load(path, num_threads=1).predict_ids([[1, 2, 3]])[0].bucket >= 0

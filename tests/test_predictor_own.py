@@ -133,3 +133,30 @@ def test_server_uses_a_served_model_predictor(trained: Path, tiny_llama: Path) -
         assert srv.cluster()["predictor"]["count"] >= 3
     finally:
         assert srv.stop() == 0
+
+
+def test_cli_train_own_takes_the_pooling_and_head_it_is_given(tmp_path: Path, tiny_llama: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from tetriinfer.cli import main
+
+    prompts, lengths = _fixture()
+    data = tmp_path / "lengths.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "output_tokens": n}) + "\n" for p, n in zip(prompts, lengths, strict=True)),
+                    encoding="utf-8")
+    out = tmp_path / "pred"
+    assert main(["predictor", "train-own", "--lengths", str(data), "--model", str(tiny_llama), "--out", str(out),
+                 "--layers", "1", "--pooling", "last", "--prefix-steps", "0", "--head", "multinomial"]) == 0
+    tc = json.loads((out / "predictor.json").read_text(encoding="utf-8"))["train_config"]
+    assert tc["head"] == "multinomial"
+    assert tc["features"]["layers"] == [1] and tc["features"]["pooling"] == ["last"] and tc["features"]["prefix_steps"] == 0
+    pred = OwnModelPredictor.load(out, num_threads=1)
+    hidden = json.loads((tiny_llama / "config.json").read_text(encoding="utf-8"))["hidden_size"]
+    assert pred.extractor.num_features == hidden + 1  # the last token's state and the log prompt length
+    capsys.readouterr()
+    assert main(["predictor", "train-own", "--lengths", str(data), "--model", str(tiny_llama), "--out",
+                 str(tmp_path / "p2"), "--pooling", "last"]) != 0
+    assert "--pooling applies to hidden-state layers" in capsys.readouterr().err
+    assert main(["predictor", "train-own", "--lengths", str(tmp_path / "missing.jsonl"), "--model", str(tiny_llama),
+                 "--out", str(tmp_path / "p3")]) != 0
+    assert "no such file" in capsys.readouterr().err
+    assert not (tmp_path / "p2").exists() and not (tmp_path / "p3").exists()  # nothing written

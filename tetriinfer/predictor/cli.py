@@ -89,9 +89,9 @@ def add_subparsers(subparsers: Any) -> None:
     t.set_defaults(handler=_train)
 
     o = sub.add_parser("train-own", help="fit a served-model predictor: the served model's own features, linear head")
-    o.add_argument("--lengths", default=None, metavar="FILE",
-                   help="JSONL of prompt (the user instruction) + output_tokens (default: the shipped lengths "
-                        "of the default model)")
+    o.add_argument("--lengths", default="greedy", metavar="FILE|greedy|sampled",
+                   help="JSONL of prompt (the user instruction) + output_tokens, or the default model's shipped "
+                        "lengths: greedy (default) or sampled (temperature 0.7)")
     o.add_argument("--model", default=None, metavar="DIR", help="the served model folder (default: the default model)")
     o.add_argument("--out", required=True, metavar="PREDICTOR_DIR")
     o.add_argument("--granularity", type=int, default=100, metavar="G")
@@ -99,6 +99,9 @@ def add_subparsers(subparsers: Any) -> None:
                    help="lengths >= the last closed bucket share the open last bucket")
     o.add_argument("--layers", type=int, nargs="*", default=None, metavar="L",
                    help="hidden-state layers (default: the evaluated recipe, docs/predictor.md)")
+    o.add_argument("--pooling", nargs="+", choices=("last", "mean"), default=None,
+                   help="how each layer's hidden states become features: the last prompt token, the mean over the "
+                        "prompt, or both (default: both)")
     o.add_argument("--prefix-steps", type=int, default=None, metavar="K", help="greedy steps whose statistics are features")
     o.add_argument("--head", choices=("two-stage", "multinomial"), default="two-stage")
     o.add_argument("--threads", type=int, default=1, help="torch threads (fixed for determinism)")
@@ -193,16 +196,22 @@ def _train_own(args: argparse.Namespace) -> int:
 
     from tetriinfer.engine.make_model import default_model_path
     from tetriinfer.predictor.buckets import BucketSpec
-    from tetriinfer.predictor.default import DEFAULT_TARGET, shipped_lengths_path
+    from tetriinfer.predictor.default import DEFAULT_TARGET, SHIPPED_LENGTHS, shipped_lengths_path
     from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
 
-    lengths = Path(args.lengths) if args.lengths else shipped_lengths_path()
+    name = args.lengths or "greedy"
+    lengths = shipped_lengths_path(name) if name in SHIPPED_LENGTHS else Path(name)
+    if not lengths.is_file():
+        raise ValueError(f"--lengths {name}: no such file (or a shipped set: {', '.join(SHIPPED_LENGTHS)})")
     rows = [json.loads(x) for x in lengths.read_text(encoding="utf-8").splitlines() if x.strip()]
     if not rows:
         raise ValueError(f"{lengths} holds no lengths")
     config = OwnFeatureConfig()
     if args.layers is not None:
-        config = replace(config, layers=tuple(args.layers), pooling=("last", "mean") if args.layers else ())
+        pooling = tuple(dict.fromkeys(args.pooling or ("last", "mean")))
+        config = replace(config, layers=tuple(args.layers), pooling=pooling if args.layers else ())
+    elif args.pooling is not None:
+        raise ValueError("--pooling applies to hidden-state layers: give --layers too")
     if args.prefix_steps is not None:
         config = replace(config, prefix_steps=args.prefix_steps)
     model = Path(args.model) if args.model else default_model_path()

@@ -32,10 +32,17 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_GRANULARITY = 100
 DEFAULT_MAX_LENGTH_TOKENS = 1000  # answers capped at 1024 tokens share the open last bucket [1000, inf)
 LENGTHS_FILE = "smollm2_lengths.jsonl"
+# The default model's answers to the 805 AlpacaEval instructions (chat endpoint, natural endings, max_tokens
+# 1024), by how they were decoded: greedy, or sampled at temperature 0.7 (one answer per prompt, its seed derived
+# from the prompt text: ``collect.prompt_seed(prompt, 0)``). Same prompts, same order.
+SHIPPED_LENGTHS = {"greedy": LENGTHS_FILE, "sampled": "smollm2_lengths_t07.jsonl"}
 
 
-def shipped_lengths_path() -> Path:
-    path = Path(str(resources.files("tetriinfer").joinpath("data", LENGTHS_FILE)))
+def shipped_lengths_path(kind: str = "greedy") -> Path:
+    """The shipped lengths of the default model, ``kind`` one of ``SHIPPED_LENGTHS``."""
+    if kind not in SHIPPED_LENGTHS:
+        raise ValueError(f"no shipped lengths named {kind!r}; expected one of {', '.join(SHIPPED_LENGTHS)}")
+    path = Path(str(resources.files("tetriinfer").joinpath("data", SHIPPED_LENGTHS[kind])))
     if not path.is_file():
         raise FileNotFoundError(f"shipped length data missing: {path}")
     return path
@@ -121,6 +128,68 @@ def default_predictor_path(cache: str | Path | None = None) -> Path:
     return target
 
 
+# The served-model predictor for sampled serving (docs/predictor.md, "Sampled lengths"): layer 20's hidden state at
+# the last prompt token (one prefill of the served model per prompt, no decoding), multinomial head over the buckets.
+SAMPLED_LAYERS = (20,)
+SAMPLED_POOLING = ("last",)
+SAMPLED_HEAD = "multinomial"
+
+
+def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None, *,
+                            num_threads: int | None = 1) -> Path:
+    """Train the served-model predictor on the default model's sampled (temperature 0.7) lengths into ``out``,
+    written whole or not at all (a staging folder renamed into place)."""
+    from tetriinfer.engine.make_model import default_model_path
+    from tetriinfer.predictor.buckets import BucketSpec
+    from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
+
+    model = Path(model_dir) if model_dir is not None else default_model_path()
+    out = Path(out).expanduser().absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(x) for x in shipped_lengths_path("sampled").read_text(encoding="utf-8").splitlines()
+            if x.strip()]
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        config = OwnFeatureConfig(layers=SAMPLED_LAYERS, pooling=SAMPLED_POOLING, prefix_steps=0)
+        spec = BucketSpec.for_granularity(DEFAULT_GRANULARITY, DEFAULT_MAX_LENGTH_TOKENS)
+        train_own_predictor([r["prompt"] for r in rows], [int(r["output_tokens"]) for r in rows], model,
+                            staging / "final", spec, target=DEFAULT_TARGET, feature_config=config,
+                            head_kind=SAMPLED_HEAD, num_threads=num_threads)
+        if out.exists():
+            out.rmdir()
+        (staging / "final").rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def sampled_predictor_path(cache: str | Path | None = None) -> Path:
+    """The sampled-serving predictor in the cache, trained on first use (one prefill per shipped prompt: minutes)."""
+    from tetriinfer.engine.make_model import cache_dir
+    from tetriinfer.predictor.artifact import META_FILE
+
+    root = Path(cache).expanduser() if cache is not None else cache_dir()
+    target = (root / "predictors" / f"{DEFAULT_TARGET}-sampled-g{DEFAULT_GRANULARITY}").absolute()
+    if (target / META_FILE).is_file():
+        return target
+    try:
+        build_sampled_predictor(target)
+    except (ValueError, OSError):
+        if not (target / META_FILE).is_file():  # not a lost race: a real failure
+            raise
+    return target
+
+
+NAMED_PREDICTORS = ("default", "sampled")
+
+
 def resolve_predictor(spec: str) -> str:
-    """``default`` -> the default predictor folder (made on first use); other specs unchanged."""
-    return str(default_predictor_path()) if spec == "default" else spec
+    """``default`` -> the default predictor folder, ``sampled`` -> the sampled-serving one (each made on first
+    use); other specs unchanged."""
+    if spec == "default":
+        return str(default_predictor_path())
+    if spec == "sampled":
+        return str(sampled_predictor_path())
+    return spec

@@ -168,9 +168,14 @@ class FeatureExtractor:
         hidden = int(self.model.config.hidden_size)
         return len(c.layers) * len(c.pooling) * hidden + (NUM_PREFIX_STATS if c.prefix_steps else 0) + 1
 
-    def features(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
-        """One row per prompt (token ids), ``(len(prompts), num_features)`` float64."""
-        return np.stack([self._one(list(p)) for p in prompts]) if prompts else np.zeros((0, self.num_features))
+    def features(self, prompts: Sequence[Sequence[int]], progress: bool = False) -> np.ndarray:
+        """One row per prompt (token ids), ``(len(prompts), num_features)`` float64; ``progress`` shows a bar."""
+        if not prompts:
+            return np.zeros((0, self.num_features))
+        from tqdm import tqdm
+
+        return np.stack([self._one(list(p)) for p in tqdm(prompts, desc="served-model features", unit="prompt",
+                                                          disable=not progress)])
 
     def _one(self, ids: list[int]) -> np.ndarray:
         import torch
@@ -335,7 +340,7 @@ def train_own_predictor(instructions: Sequence[str], lengths: Sequence[int], mod
     tok = load_tokenizer(model_dir)
     ids = [served_prompt_ids(tok, s) for s in instructions]
     if features is None:
-        features = FeatureExtractor(model_dir, config, num_threads).features(ids)
+        features = FeatureExtractor(model_dir, config, num_threads).features(ids, progress=len(ids) >= 50)
     if features.shape[0] != len(ids):
         raise ValueError(f"{features.shape[0]} feature rows for {len(ids)} instructions")
     y = np.asarray(lengths, dtype=np.int64)

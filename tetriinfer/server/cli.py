@@ -71,7 +71,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
                        choices=["length-aware", "random", "round-robin", "least-loaded", "imbalanced"])
     sched.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
     sched.add_argument("--heavy-decode-tokens", type=int, default=128)
-    sched.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's lengths) | a predictor folder")
+    sched.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's greedy lengths) | sampled (on its "
+                            "lengths sampled at temperature 0.7: for sampled serving) | a predictor folder")
     sched.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
     sched.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=None,
                        help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
@@ -272,12 +273,11 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
 
 
 def _predictor_spec(spec: str) -> str:
-    """``default``: the predictor trained on the default model's own lengths (made on first use)."""
-    if spec != "default":
-        return spec
-    from tetriinfer.predictor.default import default_predictor_path
+    """``default`` / ``sampled``: a predictor trained on the default model's own lengths, greedy or sampled at
+    temperature 0.7 (made on first use)."""
+    from tetriinfer.predictor.default import NAMED_PREDICTORS, resolve_predictor
 
-    return str(default_predictor_path())
+    return resolve_predictor(spec) if spec in NAMED_PREDICTORS else spec
 
 
 def build_client(args: argparse.Namespace, layout: Any = None) -> Any:
