@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -111,21 +112,26 @@ def build_default_predictor(out: str | Path, model_dir: str | Path | None = None
     return out
 
 
-def default_predictor_path(cache: str | Path | None = None) -> Path:
-    """The default predictor in the cache, trained on first use (minutes on a CPU; progress is shown)."""
+def _cached_predictor(name: str, build: Callable[[Path], Path], cache: str | Path | None) -> Path:
+    """``predictors/name`` in the cache, made by ``build`` (which writes it whole or not at all) unless there."""
     from tetriinfer.engine.make_model import cache_dir
     from tetriinfer.predictor.artifact import META_FILE
 
     root = Path(cache).expanduser() if cache is not None else cache_dir()
-    target = (root / "predictors" / f"{DEFAULT_TARGET}-g{DEFAULT_GRANULARITY}").absolute()
+    target = (root / "predictors" / name).absolute()
     if (target / META_FILE).is_file():
         return target
     try:
-        build_default_predictor(target)
+        build(target)
     except (ValueError, OSError):
         if not (target / META_FILE).is_file():  # not a lost race: a real failure
             raise
     return target
+
+
+def default_predictor_path(cache: str | Path | None = None) -> Path:
+    """The default predictor in the cache, trained on first use (minutes on a CPU; progress is shown)."""
+    return _cached_predictor(f"{DEFAULT_TARGET}-g{DEFAULT_GRANULARITY}", build_default_predictor, cache)
 
 
 # The served-model predictor for sampled serving (docs/predictor.md, "Sampled lengths"): layer 20's hidden state at
@@ -167,19 +173,7 @@ def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None
 
 def sampled_predictor_path(cache: str | Path | None = None) -> Path:
     """The sampled-serving predictor in the cache, trained on first use (one prefill per shipped prompt: minutes)."""
-    from tetriinfer.engine.make_model import cache_dir
-    from tetriinfer.predictor.artifact import META_FILE
-
-    root = Path(cache).expanduser() if cache is not None else cache_dir()
-    target = (root / "predictors" / f"{DEFAULT_TARGET}-sampled-g{DEFAULT_GRANULARITY}").absolute()
-    if (target / META_FILE).is_file():
-        return target
-    try:
-        build_sampled_predictor(target)
-    except (ValueError, OSError):
-        if not (target / META_FILE).is_file():  # not a lost race: a real failure
-            raise
-    return target
+    return _cached_predictor(f"{DEFAULT_TARGET}-sampled-g{DEFAULT_GRANULARITY}", build_sampled_predictor, cache)
 
 
 NAMED_PREDICTORS = ("default", "sampled")
