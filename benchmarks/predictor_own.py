@@ -90,6 +90,7 @@ def main() -> int:
     from tetriinfer.predictor.default import (
         DEFAULT_GRANULARITY,
         DEFAULT_MAX_LENGTH_TOKENS,
+        SHIPPED_LENGTHS,
         served_prompt_text,
         shipped_lengths_path,
     )
@@ -109,7 +110,7 @@ def main() -> int:
     a = ap.parse_args()
 
     model = Path(a.model) if a.model else default_model_path()
-    lengths = shipped_lengths_path(a.lengths) if a.lengths in ("greedy", "sampled") else Path(a.lengths)
+    lengths = shipped_lengths_path(a.lengths) if a.lengths in SHIPPED_LENGTHS else Path(a.lengths)
     rows = [json.loads(x) for x in lengths.read_text(encoding="utf-8").splitlines() if x.strip()]
     instructions = [r["prompt"] for r in rows]
     y = np.array([r["output_tokens"] for r in rows], dtype=np.int64)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,25 @@ def write_served_form(lengths_file: Path, model_dir: Path, out_file: Path) -> in
     return n
 
 
+@contextmanager
+def _written_whole(out: str | Path) -> Iterator[tuple[Path, Path]]:
+    """Build a folder that appears at ``out`` whole or not at all: yields ``(staging, final)``, a scratch folder
+    beside ``out`` and the path inside it to build the result at; on success ``final`` is renamed to ``out``, and
+    the scratch folder is removed either way. ValueError: ``out`` exists and is not empty."""
+    out = Path(out).expanduser().absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield staging, staging / "final"
+        if out.exists():
+            out.rmdir()
+        (staging / "final").rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def build_default_predictor(out: str | Path, model_dir: str | Path | None = None, *,
                             num_threads: int | None = 1, epochs: int = 5) -> Path:
     """Build the served-form dataset from the shipped lengths and train the predictor into ``out``.
@@ -86,12 +106,7 @@ def build_default_predictor(out: str | Path, model_dir: str | Path | None = None
     from tetriinfer.predictor.train import TrainConfig, train_predictor
 
     model = Path(model_dir) if model_dir is not None else default_model_path()
-    out = Path(out).expanduser().absolute()
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with _written_whole(out) as (staging, final):
         served = staging / "lengths_served.jsonl"
         write_served_form(shipped_lengths_path(), model, served)
         config = DatasetConfig(granularity=DEFAULT_GRANULARITY, max_tokens=DEFAULT_MAX_LENGTH_TOKENS)
@@ -101,15 +116,9 @@ def build_default_predictor(out: str | Path, model_dir: str | Path | None = None
                         config=TrainConfig(epochs=epochs, num_threads=num_threads, max_length=128,
                                            train_layers=-1, lr=2e-4, select="accuracy"))
         served.unlink()
-        (staging / "predictor").rename(staging / "final")
-        final = staging / "final"
+        (staging / "predictor").rename(final)
         shutil.move(str(staging / "dataset"), str(final / "dataset"))
-        if out.exists():
-            out.rmdir()
-        final.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return Path(out).expanduser().absolute()
 
 
 def _cached_predictor(name: str, build: Callable[[Path], Path], cache: str | Path | None) -> Path:
@@ -150,25 +159,15 @@ def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None
     from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
 
     model = Path(model_dir) if model_dir is not None else default_model_path()
-    out = Path(out).expanduser().absolute()
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(x) for x in shipped_lengths_path("sampled").read_text(encoding="utf-8").splitlines()
             if x.strip()]
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        config = OwnFeatureConfig(layers=SAMPLED_LAYERS, pooling=SAMPLED_POOLING, prefix_steps=0)
-        spec = BucketSpec.for_granularity(DEFAULT_GRANULARITY, DEFAULT_MAX_LENGTH_TOKENS)
-        train_own_predictor([r["prompt"] for r in rows], [int(r["output_tokens"]) for r in rows], model,
-                            staging / "final", spec, target=DEFAULT_TARGET, feature_config=config,
-                            head_kind=SAMPLED_HEAD, num_threads=num_threads)
-        if out.exists():
-            out.rmdir()
-        (staging / "final").rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    config = OwnFeatureConfig(layers=SAMPLED_LAYERS, pooling=SAMPLED_POOLING, prefix_steps=0)
+    spec = BucketSpec.for_granularity(DEFAULT_GRANULARITY, DEFAULT_MAX_LENGTH_TOKENS)
+    with _written_whole(out) as (_, final):
+        train_own_predictor([r["prompt"] for r in rows], [int(r["output_tokens"]) for r in rows], model, final,
+                            spec, target=DEFAULT_TARGET, feature_config=config, head_kind=SAMPLED_HEAD,
+                            num_threads=num_threads)
+    return Path(out).expanduser().absolute()
 
 
 def sampled_predictor_path(cache: str | Path | None = None) -> Path:
@@ -176,14 +175,8 @@ def sampled_predictor_path(cache: str | Path | None = None) -> Path:
     return _cached_predictor(f"{DEFAULT_TARGET}-sampled-g{DEFAULT_GRANULARITY}", build_sampled_predictor, cache)
 
 
-NAMED_PREDICTORS = ("default", "sampled")
-
-
 def resolve_predictor(spec: str) -> str:
     """``default`` -> the default predictor folder, ``sampled`` -> the sampled-serving one (each made on first
     use); other specs unchanged."""
-    if spec == "default":
-        return str(default_predictor_path())
-    if spec == "sampled":
-        return str(sampled_predictor_path())
-    return spec
+    made = {"default": default_predictor_path, "sampled": sampled_predictor_path}.get(spec)
+    return spec if made is None else str(made())

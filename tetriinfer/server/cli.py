@@ -275,9 +275,9 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
 def _predictor_spec(spec: str) -> str:
     """``default`` / ``sampled``: a predictor trained on the default model's own lengths, greedy or sampled at
     temperature 0.7 (made on first use)."""
-    from tetriinfer.predictor.default import NAMED_PREDICTORS, resolve_predictor
+    from tetriinfer.predictor.default import resolve_predictor
 
-    return resolve_predictor(spec) if spec in NAMED_PREDICTORS else spec
+    return resolve_predictor(spec)
 
 
 def build_client(args: argparse.Namespace, layout: Any = None) -> Any:
