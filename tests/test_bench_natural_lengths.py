@@ -71,3 +71,45 @@ def test_real_class_workloads_use_held_out_prompts_of_the_named_class(smollm2: P
         load_workload("real:lphd", 2, tokenizer=None)
     with pytest.raises(ValueError, match="heavy_cap"):
         load_workload("real:lphd", 2, tokenizer=str(smollm2), max_output_tokens=100)
+
+
+def test_sampled_requests_carry_a_seed_per_request_that_every_run_repeats(tiny_llama: Path) -> None:
+    from tetriinfer.bench.client import request_seed
+
+    wl = load_workload("lpld", 6, rate=1.0, seed=2)
+    sampled = BenchmarkClient(ClientConfig("http://x", "m", temperature=0.7, seed=5))
+    bodies = [sampled.payload(i, r) for i, r in enumerate(wl)]
+    assert all(b["temperature"] == 0.7 for b in bodies)
+    seeds = [b["seed"] for b in bodies]
+    assert seeds == [request_seed(5, i) for i in range(6)] and len(set(seeds)) == 6
+    assert all(0 <= s < 2**31 for s in seeds)
+    again = BenchmarkClient(ClientConfig("http://x", "m", temperature=0.7, seed=5))  # another column, same draws
+    assert [again.payload(i, r)["seed"] for i, r in enumerate(wl)] == seeds
+    other = BenchmarkClient(ClientConfig("http://x", "m", temperature=0.7, seed=6))
+    assert [other.payload(i, r)["seed"] for i, r in enumerate(wl)] != seeds
+    greedy = BenchmarkClient(ClientConfig("http://x", "m")).payload(0, next(iter(wl)))
+    assert "seed" not in greedy and greedy["temperature"] == 0.0
+    for bad in (-0.1, 2.5):
+        with pytest.raises(ValueError, match="temperature"):
+            ClientConfig("http://x", "m", temperature=bad)
+
+
+def test_sampled_real_workloads_class_light_prompts_by_sampled_lengths(smollm2: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tetriinfer.bench.real_workloads import _known_lengths
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    greedy, sampled = _known_lengths("greedy"), _known_lengths("sampled")
+    assert greedy.keys() == sampled.keys()
+    rendered = {tok.apply_chat_template([{"role": "user", "content": k}], tokenize=False,
+                                        add_generation_prompt=True): k for k in sampled}
+    by_kind = {}
+    for kind in ("greedy", "sampled"):
+        wl = load_workload("real:lpld", 60, rate=1.0, seed=4, tokenizer=str(smollm2), max_output_tokens=256,
+                           real_lengths=kind)
+        by_kind[kind] = [rendered[r.prompt_text] for r in wl]
+        assert all((sampled if kind == "sampled" else greedy)[k] <= 128 for k in by_kind[kind])
+        assert any(kind in note for note in wl.notes)
+    # the two decodings disagree on some prompts' class, so the pools differ
+    assert any(greedy[k] > 128 for k in by_kind["sampled"])

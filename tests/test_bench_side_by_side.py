@@ -160,6 +160,11 @@ def test_config_validation() -> None:
         sbs.SideBySideConfig("m", ("lpld",), cols, rate=1.0, rate_fractions=(0.7, 1.0))
     with pytest.raises(ValueError, match="length_scale"):
         sbs.SideBySideConfig("m", ("lpld",), cols, length_scale=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        sbs.SideBySideConfig("m", ("lpld",), cols, temperature=-1.0)
+    sampled = sbs.SideBySide(sbs.SideBySideConfig("m", ("lpld",), cols, temperature=0.7, seed=9))
+    options = sampled._client_options(cols[0])
+    assert options["temperature"] == 0.7 and options["seed"] == 9  # every column: the same seed per request
     one = sbs.SideBySideConfig("m", ("lpld",), cols)
     sweep = sbs.SideBySideConfig("m", ("lpld",), cols, rate_fractions=(0.7, 1.3))
     assert one.cell_key("lpld", 0.7) == "lpld" and sweep.cell_key("lpld", 1.3) == "lpld@130%"

@@ -71,7 +71,17 @@ def test_sampled_predictor_is_made_once_in_the_cache_with_its_recipe(tmp_path: P
     path = default.sampled_predictor_path(tmp_path)
     assert path == tmp_path / "predictors" / "smollm2-135m-instruct-sampled-g100"
     tc = json.loads((path / "predictor.json").read_text(encoding="utf-8"))["train_config"]
-    assert tc["head"] == "multinomial" and tc["train_prompts"] == 805
+    from transformers import AutoTokenizer
+
+    from tetriinfer.predictor.dataset import prompt_hash, split_of
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    served = [default.served_prompt_text(tok, json.loads(x)["prompt"])
+              for x in shipped_lengths_path("sampled").read_text(encoding="utf-8").splitlines() if x.strip()]
+    held_out = {prompt_hash(s) for s in served if split_of(s, 0, 0.2) == "val"}  # the default predictor's split
+    trained = set(json.loads((path / "predictor.json").read_text(encoding="utf-8"))["train_prompt_hashes"])
+    assert 100 < len(held_out) < 250 and not trained & held_out  # a benchmark on held-out prompts meets real errors
+    assert tc["head"] == "multinomial" and tc["train_prompts"] == len(trained) == 805 - len(held_out)
     assert tc["features"]["pooling"] == ["last"] and tc["features"]["prefix_steps"] == 0
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no staging folder left behind
     stamp = (path / "predictor.json").stat().st_mtime_ns

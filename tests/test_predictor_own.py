@@ -159,4 +159,33 @@ def test_cli_train_own_takes_the_pooling_and_head_it_is_given(tmp_path: Path, ti
     assert main(["predictor", "train-own", "--lengths", str(tmp_path / "missing.jsonl"), "--model", str(tiny_llama),
                  "--out", str(tmp_path / "p3")]) != 0
     assert "no such file" in capsys.readouterr().err
-    assert not (tmp_path / "p2").exists() and not (tmp_path / "p3").exists()  # nothing written
+    assert main(["predictor", "train-own", "--lengths", str(data), "--model", str(tiny_llama), "--out",
+                 str(tmp_path / "p4"), "--layers", "1", "--hold-out", "1.5"]) != 0
+    assert "--hold-out must be in [0, 1)" in capsys.readouterr().err
+    assert not any((tmp_path / p).exists() for p in ("p2", "p3", "p4"))  # nothing written
+
+
+def test_cli_train_own_holds_out_the_split_it_is_asked_to(tmp_path: Path, tiny_llama: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tetriinfer.cli import main
+    from tetriinfer.predictor.dataset import prompt_hash, split_of
+    from tetriinfer.predictor.default import served_prompt_text
+
+    prompts, lengths = _fixture()
+    data = tmp_path / "lengths.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "output_tokens": n}) + "\n" for p, n in zip(prompts, lengths, strict=True)),
+                    encoding="utf-8")
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    served = [served_prompt_text(tok, p) for p in prompts]
+    held = {prompt_hash(s) for s in served if split_of(s, 0, 0.3) == "val"}
+    assert 0 < len(held) < len(prompts)
+    for fraction, out in ((0.3, tmp_path / "part"), (0.0, tmp_path / "all")):
+        assert main(["predictor", "train-own", "--lengths", str(data), "--model", str(tiny_llama), "--out", str(out),
+                     "--layers", "1", "--pooling", "last", "--prefix-steps", "0", "--head", "multinomial",
+                     "--hold-out", str(fraction)]) == 0
+    part = json.loads((tmp_path / "part" / "predictor.json").read_text(encoding="utf-8"))
+    whole = json.loads((tmp_path / "all" / "predictor.json").read_text(encoding="utf-8"))
+    assert set(part["train_prompt_hashes"]) == {prompt_hash(s) for s in served} - held
+    assert part["train_config"]["train_prompts"] == len(prompts) - len(held)
+    assert set(whole["train_prompt_hashes"]) == {prompt_hash(s) for s in served}

@@ -109,6 +109,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    "end at the model's EOS and the workload's length is only the max_tokens cap")
     g.add_argument("--output-cap", type=int, default=1024,
                    help="alpaca[:FILE] workload (real AlpacaEval prompts, chat-rendered): max_tokens of each request")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy); above 0 each request carries a "
+                   "seed derived from --seed and its index, so reruns draw the same answers, and real:CLASS "
+                   "workloads class their light prompts by the model's sampled (temperature 0.7) lengths")
 
 
 def client_cpu_layout(value: str) -> Any:
@@ -158,6 +162,7 @@ def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         length_scale=args.length_scale,
         tokenizer=getattr(args, "tokenizer", None),
         output_cap=args.output_cap,
+        real_lengths="sampled" if getattr(args, "temperature", 0.0) > 0 else "greedy",
     )
 
 
@@ -238,6 +243,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         rt_priority=layout.client_rt_priority,
         cores=layout.client_cores_for_run(),
         output_lengths=args.output_lengths,
+        temperature=args.temperature,
     )
     print(workload_summary_line(workload))
     result = run_benchmark(config, workload, slo, args.label)
@@ -359,7 +365,7 @@ def _cmd_side_by_side(args: argparse.Namespace) -> int:
         burstiness_cv=args.burstiness_cv,
         length_source=args.length_source,
         length_scale=args.length_scale,
-        output_lengths=args.output_lengths, output_cap=args.output_cap,
+        output_lengths=args.output_lengths, output_cap=args.output_cap, temperature=args.temperature,
         seed=args.seed,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e),
         request_timeout_s=args.request_timeout,
@@ -442,6 +448,10 @@ def _add_side_by_side(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--output-lengths", choices=("fixed", "natural"), default="fixed",
                    help="natural: answers end at EOS (no ignore_eos); the workload's output length is only a cap")
     p.add_argument("--output-cap", type=int, default=1024, help="alpaca[:FILE] workload: max_tokens of each request")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy); above 0 every column gets the same seed per "
+                   "request (from --seed and its index) and real:CLASS workloads class their light prompts by the "
+                   "model's sampled (temperature 0.7) lengths")
     p.add_argument("--max-output-tokens", type=int, default=384)
     p.add_argument("--max-context", type=int, default=None,
                    help="reject prompt+output over this (default: the server's max_model_len)")

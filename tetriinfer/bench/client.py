@@ -24,6 +24,7 @@ finish reason) are recorded on the request and counted; they never stop the run.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -72,6 +73,8 @@ class ClientConfig:
     max_context: int | None = None
     detect_max_context: bool = True
     vllm_extras: bool = True
+    # > 0: sampled answers, each request with a seed derived from ``seed`` and its index (``request_seed``), so every
+    # run of the same workload (every column of a side-by-side) draws the same answer for the same request
     temperature: float = 0.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
@@ -110,6 +113,8 @@ class ClientConfig:
             )
         if self.rt_priority is not None:
             check_rt_priority(self.rt_priority)
+        if not (0.0 <= self.temperature <= 2.0):
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if self.output_lengths not in OUTPUT_LENGTHS:
             raise ValueError(f"output_lengths must be one of {', '.join(OUTPUT_LENGTHS)}, got {self.output_lengths!r}")
         if self.cores is not None and (not self.cores or min(self.cores) < 0):
@@ -122,6 +127,13 @@ class ClientConfig:
     @property
     def url(self) -> str:
         return self.base_url.rstrip("/") + self.endpoint
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The sampling seed of request ``index`` of a workload run with client ``seed``: a function of the two only
+    (a 31-bit value, which every OpenAI-compatible server accepts)."""
+    digest = hashlib.sha256(f"request:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 class PromptBuilder:
@@ -280,6 +292,8 @@ class BenchmarkClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if cfg.temperature > 0:
+            body["seed"] = request_seed(cfg.seed, index)
         if cfg.user is not None:
             body["user"] = cfg.user
         if cfg.vllm_extras:

@@ -6,8 +6,9 @@ model's chat template, meant for ``--output-lengths natural``, where the model d
 - Light prompts are AlpacaEval instructions, one user turn each. Only instructions held out from the default
   predictor's training are used (the served-form prompt hash split, seed 0, 20%: see
   ``predictor/default.py``), so a run with ``--predictor default`` meets its real errors, not its training set.
-  Which instructions decode heavily is known from the shipped greedy lengths of the default model
-  (``data/smollm2_lengths.jsonl``): heavy decode when it wrote more than ``HEAVY_DECODE_TOKENS`` tokens.
+  Which instructions decode heavily is known from the shipped lengths of the default model, greedy
+  (``data/smollm2_lengths.jsonl``) or, for sampled runs, at temperature 0.7 (``data/smollm2_lengths_t07.jsonl``):
+  heavy decode when it wrote more than ``HEAVY_DECODE_TOKENS`` tokens.
 - Heavy prompts are real long texts (other models' AlpacaEval answers, joined until the rendered prompt passes
   ``HEAVY_PREFILL_TOKENS``) under a task that sets the answer's size: "summarize in two sentences" for light
   decode, "rewrite in your own words, keeping every detail" for heavy decode.
@@ -39,10 +40,9 @@ from tetriinfer.bench.workload_types import (
     WorkloadRequest,
     _mark_rejections,
 )
+from tetriinfer.predictor.default import HELD_OUT_FRACTION, HELD_OUT_SEED
 
 REAL_PREFIX = "real:"
-HELD_OUT_SEED = 0  # the default predictor's split (DatasetConfig defaults)
-HELD_OUT_FRACTION = 0.2
 LONG_TEXT_FILES = ("gpt4_1106_preview.json", "Meta-Llama-3-70B-Instruct.json", "Qwen2-72B-Instruct.json")
 TASKS = {
     "ld": "Summarize the following text in two sentences.\n\n",
@@ -63,11 +63,11 @@ def is_real_workload(name: str) -> bool:
     return name.strip().lower().startswith(REAL_PREFIX)
 
 
-def _known_lengths() -> dict[str, int]:
+def _known_lengths(kind: str = "greedy") -> dict[str, int]:
     from tetriinfer.predictor.default import shipped_lengths_path
 
     out: dict[str, int] = {}
-    with shipped_lengths_path().open(encoding="utf-8") as f:
+    with shipped_lengths_path(kind).open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 obj = json.loads(line)
@@ -92,12 +92,13 @@ def render_user_turn(tok: Any, content: str) -> tuple[str, int]:
     return text, len(tok.encode(text, add_special_tokens=False))
 
 
-def light_prompts(tok: Any, source: Path) -> dict[str, list[RealPrompt]]:
-    """Held-out AlpacaEval instructions by decode class (shipped greedy lengths of the default model)."""
+def light_prompts(tok: Any, source: Path, lengths: str = "greedy") -> dict[str, list[RealPrompt]]:
+    """Held-out AlpacaEval instructions by decode class, by the default model's shipped ``lengths`` (``greedy`` or
+    ``sampled``: see ``predictor.default.SHIPPED_LENGTHS``)."""
     from tetriinfer.predictor.dataset import split_of
     from tetriinfer.predictor.default import served_prompt_text
 
-    known = _known_lengths()
+    known = _known_lengths(lengths)
     pools: dict[str, list[RealPrompt]] = {"ld": [], "hd": []}
     for row in json.loads(source.read_text(encoding="utf-8")):
         instruction = str(row["instruction"])
@@ -145,8 +146,11 @@ def real_class_workload(
     burstiness_cv: float = 1.0,
     max_context: int | None = None,
     alpaca_file: str | os.PathLike[str] | None = None,
+    lengths: str = "greedy",
 ) -> Workload:
-    """``real:CLASS``: see the module docstring. ``heavy_cap`` is the heavy-decode classes' ``max_tokens``."""
+    """``real:CLASS``: see the module docstring. ``heavy_cap`` is the heavy-decode classes' ``max_tokens``;
+    ``lengths`` (``greedy`` or ``sampled``) says which of the default model's shipped lengths sort the light prompts
+    into decode classes: the ones of the decoding the run will use."""
     cls = name.strip().lower()[len(REAL_PREFIX):]
     if cls not in CLASS_NAMES:
         raise ValueError(f"unknown real workload {name!r}; expected real:CLASS with CLASS one of {', '.join(CLASS_NAMES)}")
@@ -165,7 +169,7 @@ def real_class_workload(
     four = ["lpld", "lphd", "hpld", "hphd"]
     classes = ([four[i] for i in rng.permutation(np.arange(num_requests) % 4).tolist()] if cls == "mixed"
                else [cls] * num_requests)
-    light = light_prompts(tok, source) if any(c[:2] == "lp" for c in classes) else {}
+    light = light_prompts(tok, source, lengths) if any(c[:2] == "lp" for c in classes) else {}
     heavy = heavy_texts(tok, source.parent, max_prompt_tokens) if any(c[:2] == "hp" for c in classes) else []
     if any(c[:2] == "lp" for c in classes) and not (light["ld"] and light["hd"]):
         raise ValueError(f"no held-out instructions of both decode classes in {source}")
@@ -195,7 +199,7 @@ def real_class_workload(
         requests.append(WorkloadRequest(f"real-{c}-{i}", arrivals[i], n, cap, prompt_text=text))
     counts = {c: classes.count(c) for c in sorted(set(classes))}
     notes = (
-        f"real prompts, chat-rendered ({', '.join(f'{k}: {v}' for k, v in counts.items())}); light prompts are "
+        f"real prompts, chat-rendered, light ones classed by {lengths} lengths ({', '.join(f'{k}: {v}' for k, v in counts.items())}); light prompts are "
         f"AlpacaEval instructions held out from the default predictor, heavy ones long answers under a summarize "
         f"(light decode) or rewrite (heavy decode) task; natural output lengths capped at {HEAVY_DECODE_TOKENS} "
         f"(light decode) / {heavy_cap} (heavy decode)",

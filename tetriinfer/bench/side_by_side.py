@@ -139,6 +139,7 @@ class SideBySideConfig:
     length_scale: float = 1.0  # trace workloads: lengths (and Mooncake hash blocks) times this
     output_lengths: str = "fixed"  # "natural": answers end at EOS, the workload's length is a max_tokens cap
     output_cap: int = 1024  # alpaca[:FILE] workload: max_tokens of each request
+    temperature: float = 0.0  # > 0: sampled answers, the same seed per request in every column (client.request_seed)
     seed: int = 0
     slo: SLO = field(default_factory=SLO)
     request_timeout_s: float = 900.0
@@ -197,6 +198,8 @@ class SideBySideConfig:
             raise ValueError(f"arrival must be poisson or gamma, got {self.arrival!r}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("timeouts and kv_cache_memory_gb must be positive")
 
@@ -808,6 +811,7 @@ class SideBySide:
             length_scale=c.length_scale if is_trace else 1.0,
             tokenizer=c.model if (Path(c.model) / "tokenizer.json").is_file() else None,
             output_cap=c.output_cap,
+            real_lengths="sampled" if c.temperature > 0 else "greedy",
         )
 
     def _client_options(self, column: Column) -> dict[str, Any]:
@@ -823,6 +827,7 @@ class SideBySide:
             "rt_priority": c.client_rt_priority,
             "cores": column.client_cores if column.client_cores is not None else c.client_cores,
             "output_lengths": c.output_lengths,
+            "temperature": c.temperature,
         }
 
     def _bench(self, url: str, model: str, column: Column, workload: Workload, **extra: Any) -> dict[str, Any]:

@@ -222,6 +222,7 @@ def load_workload(
     trace_repeat: int = 1,
     tokenizer: str | None = None,
     output_cap: int = 1024,
+    real_lengths: str = "greedy",
 ) -> Workload:
     """Build a workload by name: ``lpld|lphd|hpld|hphd|mixed``, ``trace:FILE``, ``scale:N``, ``alpaca[:FILE]``
     or ``real:CLASS``.
@@ -229,7 +230,8 @@ def load_workload(
     - ``alpaca[:FILE]``: real prompts (see ``alpaca_workload``; needs the served model's ``tokenizer``),
       each asking for at most ``output_cap`` tokens.
     - ``real:CLASS``: the classes built from real prompts for natural output lengths (see
-      ``bench/real_workloads.py``; needs ``tokenizer``); ``max_output_tokens`` is the heavy-decode cap.
+      ``bench/real_workloads.py``; needs ``tokenizer``); ``max_output_tokens`` is the heavy-decode cap;
+      ``real_lengths`` (``greedy``/``sampled``) the shipped lengths that class the light prompts.
 
     - ``num_requests``: class workloads draw this many; traces take their first ``num_requests`` rows.
     - ``rate``: mean request rate (req/s). Class workloads: rate of the Poisson/gamma process, or None
@@ -286,7 +288,8 @@ def load_workload(
             raise ValueError("real:CLASS workloads need the served model's tokenizer (--tokenizer DIR)")
         return real_class_workload(key, num_requests, rate, seed, tokenizer, heavy_cap=max_output_tokens or 384,
                                    max_prompt_tokens=max_prompt_tokens or 1536, arrival=arrival,
-                                   burstiness_cv=burstiness_cv, max_context=max_context)
+                                   burstiness_cv=burstiness_cv, max_context=max_context,
+                                   lengths=real_lengths)
     if key.lower() == "alpaca" or key.lower().startswith("alpaca:"):
         if tokenizer is None:
             raise ValueError("the alpaca workload needs the served model's tokenizer (--tokenizer DIR)")

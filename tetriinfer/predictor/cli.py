@@ -105,6 +105,10 @@ def add_subparsers(subparsers: Any) -> None:
     o.add_argument("--prefix-steps", type=int, default=None, metavar="K", help="greedy steps whose statistics are features")
     o.add_argument("--head", choices=("two-stage", "multinomial"), default="two-stage")
     o.add_argument("--threads", type=int, default=1, help="torch threads (fixed for determinism)")
+    o.add_argument("--hold-out", type=float, default=0.0, metavar="F",
+                   help="leave out this fraction of the prompts, split by served-form prompt hash (seed 0, as the "
+                        "default predictor's datasets; 0.2 gives the shipped sampled predictor's training part); "
+                        "default 0: train on every prompt")
     o.set_defaults(handler=_train_own)
 
     e = sub.add_parser("eval", help="evaluate a predictor on held-out prompts")
@@ -196,7 +200,12 @@ def _train_own(args: argparse.Namespace) -> int:
 
     from tetriinfer.engine.make_model import default_model_path
     from tetriinfer.predictor.buckets import BucketSpec
-    from tetriinfer.predictor.default import DEFAULT_TARGET, SHIPPED_LENGTHS, shipped_lengths_path
+    from tetriinfer.predictor.default import (
+        DEFAULT_TARGET,
+        SHIPPED_LENGTHS,
+        shipped_lengths_path,
+        training_part,
+    )
     from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
 
     name = args.lengths or "greedy"
@@ -217,9 +226,15 @@ def _train_own(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else default_model_path()
     spec = BucketSpec.for_granularity(args.granularity, args.max_length_tokens)
     target = str(rows[0].get("model") or (DEFAULT_TARGET if not args.model else model.name))
-    train_own_predictor([r["prompt"] for r in rows], [int(r["output_tokens"]) for r in rows], model, args.out,
-                        spec, target=target, feature_config=config, head_kind=args.head, num_threads=args.threads)
-    print(f"served-model predictor saved to {args.out} ({len(rows)} prompts, model {model})")
+    if not 0.0 <= args.hold_out < 1.0:
+        raise ValueError(f"--hold-out must be in [0, 1), got {args.hold_out}")
+    keep, served = training_part([str(r["prompt"]) for r in rows], model, args.hold_out)
+    if not keep:
+        raise ValueError(f"--hold-out {args.hold_out} leaves no training prompt")
+    train_own_predictor([rows[i]["prompt"] for i in keep], [int(rows[i]["output_tokens"]) for i in keep], model,
+                        args.out, spec, target=target, feature_config=config, head_kind=args.head,
+                        num_threads=args.threads, hash_texts=[served[i] for i in keep])
+    print(f"served-model predictor saved to {args.out} ({len(keep)} of {len(rows)} prompts, model {model})")
     return 0
 
 

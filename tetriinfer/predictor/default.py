@@ -38,6 +38,8 @@ LENGTHS_FILE = "smollm2_lengths.jsonl"
 # 1024), by how they were decoded: greedy, or sampled at temperature 0.7 (one answer per prompt, its seed derived
 # from the prompt text: ``collect.prompt_seed(prompt, 0)``). Same prompts, same order.
 SHIPPED_LENGTHS = {"greedy": LENGTHS_FILE, "sampled": "smollm2_lengths_t07.jsonl"}
+HELD_OUT_SEED = 0  # the default predictor's split of the shipped prompts (``dataset.DatasetConfig`` defaults)
+HELD_OUT_FRACTION = 0.2
 
 
 def shipped_lengths_path(kind: str = "greedy") -> Path:
@@ -150,10 +152,25 @@ SAMPLED_POOLING = ("last",)
 SAMPLED_HEAD = "multinomial"
 
 
+def training_part(instructions: list[str], model_dir: str | Path, val_fraction: float = HELD_OUT_FRACTION,
+                  seed: int = HELD_OUT_SEED) -> tuple[list[int], list[str]]:
+    """The indices of the instructions in the training part of the split by served-form prompt hash
+    (``dataset.split_of``; the defaults are the default predictor's split), and every instruction's served form."""
+    from transformers import AutoTokenizer
+
+    from tetriinfer.predictor.dataset import split_of
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    served = [served_prompt_text(tok, text) for text in instructions]
+    keep = [i for i, text in enumerate(served) if val_fraction == 0 or split_of(text, seed, val_fraction) == "train"]
+    return keep, served
+
+
 def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None, *,
                             num_threads: int | None = 1) -> Path:
-    """Train the served-model predictor on the default model's sampled (temperature 0.7) lengths into ``out``,
-    written whole or not at all (a staging folder renamed into place)."""
+    """Train the served-model predictor on the default model's sampled (temperature 0.7) lengths of the training
+    prompts (the default predictor's split) into ``out``, written whole or not at all (a staging folder renamed
+    into place)."""
     from tetriinfer.engine.make_model import default_model_path
     from tetriinfer.predictor.buckets import BucketSpec
     from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
@@ -161,12 +178,15 @@ def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None
     model = Path(model_dir) if model_dir is not None else default_model_path()
     rows = [json.loads(x) for x in shipped_lengths_path("sampled").read_text(encoding="utf-8").splitlines()
             if x.strip()]
+    # the default predictor's split: its held-out prompts stay unseen here too, so a benchmark on them
+    # (bench.real_workloads) meets the predictor's real errors
+    keep, served = training_part([str(r["prompt"]) for r in rows], model)
     config = OwnFeatureConfig(layers=SAMPLED_LAYERS, pooling=SAMPLED_POOLING, prefix_steps=0)
     spec = BucketSpec.for_granularity(DEFAULT_GRANULARITY, DEFAULT_MAX_LENGTH_TOKENS)
     with _written_whole(out) as (_, final):
-        train_own_predictor([r["prompt"] for r in rows], [int(r["output_tokens"]) for r in rows], model, final,
-                            spec, target=DEFAULT_TARGET, feature_config=config, head_kind=SAMPLED_HEAD,
-                            num_threads=num_threads)
+        train_own_predictor([rows[i]["prompt"] for i in keep], [int(rows[i]["output_tokens"]) for i in keep], model,
+                            final, spec, target=DEFAULT_TARGET, feature_config=config, head_kind=SAMPLED_HEAD,
+                            num_threads=num_threads, hash_texts=[served[i] for i in keep])
     return Path(out).expanduser().absolute()
 
 
