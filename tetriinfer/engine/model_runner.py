@@ -6,6 +6,7 @@ The runner owns the model, the KV tensors and the sampler; it never decides what
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -40,6 +41,35 @@ class ModelRunner:
         self._kv_layers = kv.layers()
         # When set, every sampled position's raw logits [V] are appended here per request (tests, debugging).
         self.logits_sink: dict[str, list[torch.Tensor]] | None = None
+        # Hidden-state capture (``capture``): the requests whose next sampled position (a prompt's last token, in
+        # the step that ends its prefill) keeps the outputs of ``_capture_layers``; ``captured`` holds them after
+        # ``execute``, [len(layers) * hidden] float32 per request, until read.
+        self.capture_ids: set[str] = set()
+        self.captured: dict[str, torch.Tensor] = {}
+        self._capture_layers: tuple[int, ...] = ()
+        self._capture_rows: torch.Tensor | None = None
+        self._capture_parts: dict[int, torch.Tensor] = {}  # layer -> [R, hidden], filled by the hooks
+
+    def capture(self, layers: tuple[int, ...]) -> None:
+        """Keep the outputs of decoder ``layers`` (1-based: ``L`` is the residual stream after ``L`` layers, the
+        ``hidden_states[L]`` of transformers) at the sampled positions of the requests in ``capture_ids``. Once
+        per runner (again with the same layers: nothing to do, as when an instance becomes a prefill instance once
+        more). The fused decode path is not taken in a step that captures (it runs no per-layer modules)."""
+        if self._capture_layers:
+            if tuple(layers) != self._capture_layers:
+                raise RuntimeError(f"this runner captures layers {self._capture_layers} already")
+            return
+        stack = self.model.layers  # type: ignore[attr-defined]
+        if not layers or not all(1 <= x < len(stack) for x in layers):
+            raise ValueError(f"capture layers must be in [1, {len(stack) - 1}], got {layers}")
+        self._capture_layers = tuple(layers)
+        for layer in set(layers):
+            stack[layer - 1].register_forward_hook(functools.partial(self._keep_rows, layer))
+
+    def _keep_rows(self, layer: int, _module: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
+        rows = self._capture_rows
+        if rows is not None:  # output [T, hidden] -> the captured rows [R, hidden]
+            self._capture_parts[layer] = output.index_select(0, rows).float()
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         bs = self.kv.block_size
@@ -152,7 +182,10 @@ class ModelRunner:
         if out.is_empty:
             return StepResult(step_id=out.step_id, elapsed_s=0.0)
         input_ids, positions, meta, sample_rows = self.build_inputs(out)
+        capture_for = self._capture_for(out, sample_rows) if self.capture_ids else None
         hidden = self.model(input_ids, positions, self._kv_layers, meta)  # [T, hidden]
+        if capture_for is not None:
+            self._collect_capture(capture_for)
         sampled: dict[str, int] = {}
         logprobs: dict[str, dict[int, float]] = {}
         sample_segs = [s for s in out.segments if s.sample]
@@ -172,6 +205,31 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[seg.request_id] = lp
         return StepResult(out.step_id, sampled, logprobs, elapsed_s=time.perf_counter() - t0)
+
+    def _capture_for(self, out: SchedulerOutput, sample_rows: list[int]) -> list[str] | None:
+        """Arm the capture hooks for this step's sampled rows of requests in ``capture_ids``; their ids in row
+        order, or None when no such row runs in this step."""
+        ids, rows = [], []
+        for seg, row in zip((s for s in out.segments if s.sample), sample_rows, strict=True):
+            if seg.request_id in self.capture_ids:
+                ids.append(seg.request_id)
+                rows.append(row)
+        if not ids:
+            return None
+        self._capture_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._capture_parts = {}
+        self.model.fused_decode_off = True  # type: ignore[attr-defined]
+        return ids
+
+    def _collect_capture(self, ids: list[str]) -> None:
+        parts, self._capture_parts, self._capture_rows = self._capture_parts, {}, None
+        self.model.fused_decode_off = False  # type: ignore[attr-defined]
+        if any(x not in parts for x in self._capture_layers):
+            return  # a path that ran no per-layer modules: nothing captured (the caller predicts without)
+        states = torch.cat([parts[x] for x in self._capture_layers], dim=1).cpu()  # [R, len(layers) * hidden]
+        for i, rid in enumerate(ids):
+            self.capture_ids.discard(rid)
+            self.captured[rid] = states[i]
 
 
 # A decode group closes when the next (shorter) context is below this fraction of the group's longest:

@@ -423,3 +423,63 @@ class OwnModelPredictor:
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
         ids = [list(self.extractor.tokenizer.encode(p)) for p in prompts]
         return self.predict_ids(ids)
+
+
+def in_band_layers(config: OwnFeatureConfig, num_layers: int) -> tuple[int, ...] | None:
+    """The decoder layers whose outputs a serving prefill must keep (at each prompt's last token) to compute
+    ``config``'s features itself, or None when it cannot: the features must be last-token hidden states of
+    inner layers only (``1 <= layer < num_layers``: the raw residual stream after that many layers), with no
+    mean pooling (it needs every prompt position) and no greedy steps (they need decoding)."""
+    if (config.prefix_steps or config.pooling != ("last",) or not config.layers
+            or not all(1 <= x < num_layers for x in config.layers)):
+        return None
+    return config.layers
+
+
+class InBandHead:
+    """A served-model predictor that rides the serving prefill: the prefill keeps the hidden states of
+    ``layers`` at each prompt's last token (``ModelRunner.capture``), and this head turns them into the
+    prediction, so no second model runs. Same features as ``FeatureExtractor`` (the states, then the log of
+    the prompt length capped at ``max_prompt_tokens``) except for numerics: the serving model's dtype, and the
+    whole prompt attended to where the extractor keeps the last ``max_prompt_tokens``."""
+
+    def __init__(self, head: LinearHead, meta: PredictorMeta, config: OwnFeatureConfig,
+                 layers: tuple[int, ...]) -> None:
+        self.head, self.meta, self.config, self.layers = head, meta, config, layers
+        self.spec = meta.spec
+
+    @classmethod
+    def load(cls, folder: str | Path, model_dir: str | Path) -> InBandHead | None:
+        """The head of ``folder`` for the model in ``model_dir``, or None when its features cannot be taken
+        from a serving prefill (``in_band_layers``). ``ArtifactError`` on a malformed folder or another model."""
+        try:
+            meta = PredictorMeta.load(folder)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ArtifactError(str(exc)) from exc
+        tc = meta.train_config
+        if tc.get("kind") != KIND:
+            return None
+        try:
+            config = OwnFeatureConfig.from_json(tc["features"])
+            head_kind, fingerprint = str(tc["head"]), str(tc["model_fingerprint"])
+            num_layers = int(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+                             ["num_hidden_layers"])
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            raise ArtifactError(f"{folder}: bad served-model predictor or model config: {exc}") from exc
+        layers = in_band_layers(config, num_layers)
+        if layers is None:
+            return None
+        if model_fingerprint(model_dir) != fingerprint:
+            raise ArtifactError(f"the model in {model_dir} is not the one this predictor was trained with")
+        head = LinearHead.load(Path(folder) / HEAD_FILE, head_kind, meta.spec)
+        return cls(head, meta, config, layers)
+
+    def features(self, states: np.ndarray, prompt_tokens: int) -> np.ndarray:
+        """``states``: ``(len(layers) * hidden,)`` last-token states in ``layers`` order -> one feature row."""
+        if prompt_tokens < 1:
+            raise ValueError("an empty prompt has no features")
+        n = min(prompt_tokens, self.config.max_prompt_tokens)
+        return np.concatenate([np.asarray(states, dtype=np.float64).ravel(), np.array([math.log(n)])])
+
+    def predict(self, states: np.ndarray, prompt_tokens: int) -> Prediction:
+        return Prediction.from_probs(self.spec, self.head.probs(self.features(states, prompt_tokens))[0])

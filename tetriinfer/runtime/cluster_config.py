@@ -74,7 +74,7 @@ class ClusterConfig:
     decode_policy: str = "greedy"
     heavy_decode_tokens: int = 128
     predictor: str = "none"
-    predictor_mode: str = "parallel"
+    predictor_mode: str = "auto"
     kv_backend: str = "tcp"
     kv_transfer: str = "request"
     kv_handoff: str = "auto"  # per-request path: "push" (decode posts memory, prefill sends) | "pull" | "auto"

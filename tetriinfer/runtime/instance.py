@@ -107,7 +107,8 @@ class Instance:
             from tetriinfer.engine.llm_engine import load_tokenizer
             from tetriinfer.runtime.predictor_hook import make_predictor_hook
 
-            predictor = make_predictor_hook(spec.predictor, load_tokenizer(spec.model), str(spec.model))
+            predictor = make_predictor_hook(spec.predictor, load_tokenizer(spec.model), str(spec.model),
+                                            spec.predictor_mode)
         self.ctx = InstanceContext(
             spec=spec, runner=parts.runner, kv_manager=parts.kv_manager, max_model_len=parts.max_model_len,
             backend=self.backend, send_front=self._send_front, send_peer=self._send_peer, predictor=predictor,

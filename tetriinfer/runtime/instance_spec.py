@@ -73,14 +73,16 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     fault_delay_s: float = 0.2
     # predictor: "none" | "oracle" | a predictor folder
     predictor: str = "none"
-    predictor_mode: str = "parallel"  # parallel (overlaps prefill) | sequential
+    # auto | in-band (from the serving prefill's own hidden states) | parallel (overlaps prefill) | sequential
+    predictor_mode: str = "auto"
     report_interval_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.predictor_mode not in ("parallel", "sequential"):
-            raise ValueError(f"predictor_mode must be 'parallel' or 'sequential', got {self.predictor_mode!r}")
+        if self.predictor_mode not in ("auto", "in-band", "parallel", "sequential"):
+            raise ValueError("predictor_mode must be one of auto, in-band, parallel, sequential, got "
+                             f"{self.predictor_mode!r}")
         if self.kv_transfer not in ("request", "chunk"):
             raise ValueError(f"kv_transfer must be 'request' or 'chunk', got {self.kv_transfer!r}")
         if self.kv_handoff not in KV_HANDOFFS:

@@ -3,6 +3,12 @@ trained predictor folder: a fine-tuned classifier (``tetriinfer predictor train`
 predictor (``tetriinfer predictor train-own``), which reads the prompt's token ids as served.
 
 ``predict_one(prompt_token_ids, oracle_output_tokens) -> (bucket, lower, upper) | None``.
+
+Modes (``PREDICTOR_MODES``): ``parallel`` runs the hook on a background thread beside the prefill (the paper's
+parallel mode), ``sequential`` before it; ``in-band`` takes a served-model predictor's features from the serving
+prefill itself (``InBandHook``: the prefill keeps the hidden states the head reads, so no second model runs);
+``auto`` is ``in-band`` where the predictor's features allow it (``predictor.own.in_band_layers``), else
+``parallel``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import time
 from typing import Any
 
 DEFAULT_GRANULARITY = 200
+PREDICTOR_MODES = ("auto", "in-band", "parallel", "sequential")
 
 
 class OracleHook:
@@ -72,12 +79,39 @@ class ModelHook:
         return p.bucket, p.lower, upper
 
 
-def make_predictor_hook(spec: str, tokenizer: Any = None, model_dir: str | None = None) -> OracleHook | ModelHook | None:
-    """``model_dir`` is the served model's folder (a served-model predictor runs it for its features)."""
+class InBandHook:
+    """A served-model predictor read from the serving prefill's own hidden states (``predictor.own.InBandHead``):
+    the prefill worker asks its runner to keep ``layers`` at each prompt's last token and calls ``predict`` with
+    them once the prompt is prefilled."""
+
+    def __init__(self, head: Any) -> None:
+        self.head = head
+        self.layers: tuple[int, ...] = head.layers
+
+    def predict(self, states: Any, prompt_tokens: int) -> tuple[int, int, int]:
+        return ModelHook._bounds(self.head.predict(states, prompt_tokens))
+
+
+def make_predictor_hook(spec: str, tokenizer: Any = None, model_dir: str | None = None,
+                        mode: str = "auto") -> OracleHook | ModelHook | InBandHook | None:
+    """``model_dir`` is the served model's folder (a served-model predictor runs it for its features, or reads
+    them from its prefill in-band). ``mode``: see the module docstring; ``in-band`` for a predictor that cannot
+    run so is a ValueError."""
+    if mode not in PREDICTOR_MODES:
+        raise ValueError(f"predictor mode must be one of {', '.join(PREDICTOR_MODES)}, got {mode!r}")
     if spec in ("", "none"):
         return None
     if spec == "oracle":
         return OracleHook()
+    if mode in ("auto", "in-band") and model_dir is not None:
+        from tetriinfer.predictor.own import InBandHead, is_own_predictor
+
+        head = InBandHead.load(spec, model_dir) if is_own_predictor(spec) else None
+        if head is not None:
+            return InBandHook(head)
+    if mode == "in-band":
+        raise ValueError(f"predictor {spec} cannot run in-band: only a served-model predictor whose features are "
+                         "last-token hidden states of inner layers (no mean pooling, no greedy steps) can")
     return ModelHook(spec, tokenizer, model_dir)
 
 

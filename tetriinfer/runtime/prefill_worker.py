@@ -45,6 +45,7 @@ from tetriinfer.runtime.messages import (
     WireParams,
     decode_load,
 )
+from tetriinfer.runtime.predictor_hook import InBandHook
 from tetriinfer.runtime.worker_base import InstanceContext, apply_decode_step, load_from_wire, schedule_decode
 from tetriinfer.transfer.messages import RemoteRegion
 
@@ -99,12 +100,19 @@ class PrefillWorker:
                 chunk_size=spec.chunk_size,
                 pad_last_chunk=spec.pad_last_chunk,
                 max_model_len=ctx.max_model_len,
-                require_prediction=ctx.predictor is not None and spec.predictor_mode == "parallel",
+                require_prediction=(ctx.predictor is not None and spec.predictor_mode != "sequential"
+                                    and not isinstance(ctx.predictor, InBandHook)),
             ),
             ctx.kv_manager,
         )
+        # in-band prediction: this instance's own prefill keeps the predictor's hidden states at each prompt's last
+        # token (ModelRunner.capture) and the head predicts from them as the prompt's last chunk ends: no second
+        # model runs, and the prediction is there when the request is prefilled (before it is kept or dispatched)
+        self.in_band: InBandHook | None = ctx.predictor if isinstance(ctx.predictor, InBandHook) else None
+        if self.in_band is not None:
+            ctx.runner.capture(self.in_band.layers)
         self.prediction_service = None
-        if ctx.predictor is not None and spec.predictor_mode == "parallel":
+        if ctx.predictor is not None and self.in_band is None and spec.predictor_mode != "sequential":
             from tetriinfer.runtime.predictor_hook import PredictionService
 
             self.prediction_service = PredictionService(ctx.predictor)
@@ -163,6 +171,9 @@ class PrefillWorker:
         pred = self.ctx.predictor
         if pred is None:
             return
+        if self.in_band is not None:  # predicted from this request's own prefill (_take_in_band)
+            self.ctx.runner.capture_ids.add(req.request_id)
+            return
         if self.prediction_service is not None:  # parallel: overlaps this request's prefill
             self.prediction_service.submit(req.request_id, req.prompt_token_ids, msg.oracle_output_tokens)
             return
@@ -195,7 +206,26 @@ class PrefillWorker:
         taken = self.scheduler.take_unstarted(limit)
         for req in taken:
             self.oracle.pop(req.request_id, None)
+            self.ctx.runner.capture_ids.discard(req.request_id)
         return taken
+
+    def _take_in_band(self) -> None:
+        """Predictions from the states the last forward captured (requests whose prefill it ended); a request
+        left without one (nothing captured) is dispatched as one of unknown length, as a failed prediction is."""
+        captured = self.ctx.runner.captured
+        if not captured:
+            return
+        head = self.in_band
+        assert head is not None
+        for rid, states in captured.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            t0 = time.perf_counter()
+            req.predicted_bucket, req.predicted_lower, req.predicted_upper = head.predict(
+                states.numpy(), req.num_prompt_tokens)
+            self.predictor_latencies.append(time.perf_counter() - t0)
+        captured.clear()
 
     # ---- stepping ------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -243,6 +273,8 @@ class PrefillWorker:
         run = merge_steps(out, dec) if dec is not None and not dec.is_empty else out
         self.ctx.let_io_run()  # what earlier steps queued (Handoffs, first tokens) leaves before this forward
         result = self.ctx.runner.execute(run)
+        if self.in_band is not None:
+            self._take_in_band()
         upd = self.scheduler.update(out, split_result(result, out))
         self.ctx.emit_update(self.scheduler.requests, upd.new_tokens, upd.finished)
         self.ctx.flush_outbox()  # first tokens out before the KV staging copies and dispatch below
@@ -299,7 +331,7 @@ class PrefillWorker:
             if self._may_keep(req, prefilling=True):
                 continue  # the keep rule would keep it now: decided again once prefilled (core.keep_decode)
             if self.ctx.predictor is not None and req.predicted_bucket is None:
-                continue  # dispatch needs the prediction; retried after the next chunk
+                continue  # dispatch needs the prediction; retried after the next chunk (in-band: once prefilled)
             decision = self.dispatcher.choose(self.decode_loads, req.num_tokens + 1, req.predicted_lower)
             if decision.instance_id is None:
                 continue
@@ -572,6 +604,8 @@ class PrefillWorker:
         self.no_stream.discard(rid)
         if self.prediction_service is not None:
             self.prediction_service.cancel(rid)
+        self.ctx.runner.capture_ids.discard(rid)
+        self.ctx.runner.captured.pop(rid, None)
         if self.scheduler.abort(rid) is None:
             if rid in self.scheduler.handed_over:
                 self.scheduler.release(rid)

@@ -73,7 +73,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
     sched.add_argument("--heavy-decode-tokens", type=int, default=128)
     sched.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's greedy lengths) | sampled (on its "
                             "lengths sampled at temperature 0.7: for sampled serving) | a predictor folder")
-    sched.add_argument("--predictor-mode", default="parallel", choices=["parallel", "sequential"])
+    sched.add_argument("--predictor-mode", default="auto", choices=["auto", "in-band", "parallel", "sequential"],
+                       help="in-band: a served-model predictor reads its features from the serving prefill itself "
+                       "(no second model runs); parallel: the predictor runs on a thread beside the prefill; "
+                       "sequential: before it; auto (default): in-band where the predictor allows it, else parallel")
     sched.add_argument("--local-prefill", action=argparse.BooleanOptionalAction, default=None,
                        help="conditional disaggregation: a decode instance prefills a request itself when the prefill "
                             "tier's backlog exceeds the interference that costs (disaggregated modes)")

@@ -81,6 +81,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = FusedDecode(self)  # the layer stack of small-batch decode steps as one native call
+        self.fused_decode_off = False  # set for a step that must run the layer modules (ModelRunner.capture)
 
     def forward(
         self,
@@ -91,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if x.device.type == "cpu" and self.fused_decode.applies(x, kv_caches, meta):
+        if x.device.type == "cpu" and not self.fused_decode_off and self.fused_decode.applies(x, kv_caches, meta):
             return self.norm(self.fused_decode.run(x, cos, sin, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta)
