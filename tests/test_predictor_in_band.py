@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.test_predictor_own import _fixture
 from tetriinfer.predictor.buckets import BucketSpec
 from tetriinfer.predictor.own import (
     FeatureExtractor,
@@ -21,12 +22,6 @@ from tetriinfer.predictor.own import (
 
 SPEC = BucketSpec.for_granularity(100, 1000)
 LAST = OwnFeatureConfig(layers=(1,), pooling=("last",), prefix_steps=0)
-
-
-def _fixture() -> tuple[list[str], list[int]]:
-    prompts = [f"Question {i}: " + "word " * (i % 11) for i in range(30)]
-    lengths = [1024 if i % 3 == 0 else 10 + 37 * (i % 7) for i in range(30)]
-    return prompts, lengths
 
 
 @pytest.fixture(scope="module")

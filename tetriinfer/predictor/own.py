@@ -373,6 +373,13 @@ def is_own_predictor(folder: str | Path) -> bool:
         return False
 
 
+def _load_meta(folder: str | Path) -> PredictorMeta:
+    try:
+        return PredictorMeta.load(folder)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ArtifactError(str(exc)) from exc
+
+
 class OwnModelPredictor:
     """A served-model predictor folder ready to predict from prompt token ids (``predict_ids``) or text
     (``predict``: each text is encoded as a plain-text prompt). Thread-safe (one prompt at a time)."""
@@ -389,10 +396,7 @@ class OwnModelPredictor:
              num_threads: int | None = 1) -> OwnModelPredictor:
         """Load ``folder``; the served model comes from ``model_dir`` (default: the recorded folder) and
         must match the recorded fingerprint. Raises ``ArtifactError`` on a malformed or mismatched folder."""
-        try:
-            meta = PredictorMeta.load(folder)
-        except (ValueError, FileNotFoundError) as exc:
-            raise ArtifactError(str(exc)) from exc
+        meta = _load_meta(folder)
         tc = meta.train_config
         if tc.get("kind") != KIND:
             raise ArtifactError(f"{folder} is not a served-model predictor (train_config kind {tc.get('kind')!r})")
@@ -452,10 +456,7 @@ class InBandHead:
     def load(cls, folder: str | Path, model_dir: str | Path) -> InBandHead | None:
         """The head of ``folder`` for the model in ``model_dir``, or None when its features cannot be taken
         from a serving prefill (``in_band_layers``). ``ArtifactError`` on a malformed folder or another model."""
-        try:
-            meta = PredictorMeta.load(folder)
-        except (ValueError, FileNotFoundError) as exc:
-            raise ArtifactError(str(exc)) from exc
+        meta = _load_meta(folder)
         tc = meta.train_config
         if tc.get("kind") != KIND:
             return None
