@@ -341,7 +341,11 @@ class GlobalPolicy:
         cfg = self.local_prefill
         if not cfg.enabled or (cfg.max_prompt_tokens is not None and num_prompt_tokens > cfg.max_prompt_tokens):
             return None
-        remote = next((r for r in loads if r.instance_id == prefill_iid), None)
+        idx = self._index  # the pick index of this very ``loads`` holds every accepting prefill instance's report
+        if idx is not None and idx.loads is loads and prefill_iid in idx.reports:
+            remote: LoadReport | None = idx.reports[prefill_iid]
+        else:
+            remote = next((r for r in loads if r.instance_id == prefill_iid), None)
         backlog = float("inf") if remote is None else self.backlog_tokens(remote)
         if backlog < cfg.min_prefill_backlog_tokens:
             return None
