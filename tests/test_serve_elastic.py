@@ -170,7 +170,7 @@ def test_autoscale_adds_under_load_and_removes_when_idle(tiny_llama: Path) -> No
 
 REBALANCE_CASES = {  # tier -> serve args, donor, role to add, the id it gets, requests, tokens each, prompt
     "colocated": (["--mode", "colocated", "--instances", "1", "--max-num-seqs", "2"], "instance-0", "colocated",
-                  "instance-1", 16, 64, None),
+                  "instance-1", 16, 256, None),  # long enough that the queue outlives the added instance's start
     "prefill": (["--mode", "tetriinfer", "--prefill-instances", "1", "--decode-instances", "1", "--kv-backend", "tcp",
                  "--chunk-size", "64"], "prefill-0", "prefill", "prefill-1", 64, 8, "rebalance the prefill queue "),
 }
