@@ -130,6 +130,7 @@ def client_cpu_layout(value: str) -> Any:
 
 
 def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from tetriinfer.bench.real_workloads import lengths_for
     from tetriinfer.bench.workloads import (
         load_workload,
         parse_rate_profile,
@@ -162,7 +163,7 @@ def _build_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         length_scale=args.length_scale,
         tokenizer=getattr(args, "tokenizer", None),
         output_cap=args.output_cap,
-        real_lengths="sampled" if getattr(args, "temperature", 0.0) > 0 else "greedy",
+        real_lengths=lengths_for(getattr(args, "temperature", 0.0)),
     )
 
 

@@ -24,7 +24,6 @@ finish reason) are recorded on the request and counted; they never stop the run.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import time
@@ -44,6 +43,7 @@ from tetriinfer.bench.metrics import SLO, RequestRecord, summarize
 from tetriinfer.bench.server_usage import scrape_settled, usage_between
 from tetriinfer.bench.sse_transport import Endpoint, RemoteProtocolError, post_stream
 from tetriinfer.bench.workloads import Workload, WorkloadRequest, with_max_context
+from tetriinfer.core.sampling_params import derived_seed
 from tetriinfer.runtime.priority import apply_affinity, apply_realtime, check_rt_priority
 
 _BASE_TEXT = (
@@ -113,8 +113,7 @@ class ClientConfig:
             )
         if self.rt_priority is not None:
             check_rt_priority(self.rt_priority)
-        if not (0.0 <= self.temperature <= 2.0):
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        check_temperature(self.temperature)
         if self.output_lengths not in OUTPUT_LENGTHS:
             raise ValueError(f"output_lengths must be one of {', '.join(OUTPUT_LENGTHS)}, got {self.output_lengths!r}")
         if self.cores is not None and (not self.cores or min(self.cores) < 0):
@@ -129,11 +128,16 @@ class ClientConfig:
         return self.base_url.rstrip("/") + self.endpoint
 
 
+def check_temperature(temperature: float) -> None:
+    """ValueError unless ``temperature`` is in [0, 2] (OpenAI's range; 0 is greedy)."""
+    if not 0.0 <= temperature <= 2.0:
+        raise ValueError(f"temperature must be in [0, 2], got {temperature}")
+
+
 def request_seed(seed: int, index: int) -> int:
     """The sampling seed of request ``index`` of a workload run with client ``seed``: a function of the two only
     (a 31-bit value, which every OpenAI-compatible server accepts)."""
-    digest = hashlib.sha256(f"request:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return derived_seed(f"request:{seed}:{index}")
 
 
 class PromptBuilder:

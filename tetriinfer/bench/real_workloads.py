@@ -59,6 +59,12 @@ class RealPrompt:
     decode: str
 
 
+def lengths_for(temperature: float) -> str:
+    """Which shipped lengths class the light prompts of a run at ``temperature``: ``greedy`` at 0, else
+    ``sampled``."""
+    return "sampled" if temperature > 0 else "greedy"
+
+
 def is_real_workload(name: str) -> bool:
     return name.strip().lower().startswith(REAL_PREFIX)
 

@@ -56,7 +56,9 @@ from typing import Any
 
 import httpx
 
+from tetriinfer.bench.client import check_temperature
 from tetriinfer.bench.metrics import SLO, RequestRecord, flat_summary
+from tetriinfer.bench.real_workloads import lengths_for
 from tetriinfer.bench.workloads import (
     Workload,
     WorkloadRequest,
@@ -198,8 +200,7 @@ class SideBySideConfig:
             raise ValueError(f"arrival must be poisson or gamma, got {self.arrival!r}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        check_temperature(self.temperature)
         if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("timeouts and kv_cache_memory_gb must be positive")
 
@@ -811,7 +812,7 @@ class SideBySide:
             length_scale=c.length_scale if is_trace else 1.0,
             tokenizer=c.model if (Path(c.model) / "tokenizer.json").is_file() else None,
             output_cap=c.output_cap,
-            real_lengths="sampled" if c.temperature > 0 else "greedy",
+            real_lengths=lengths_for(c.temperature),
         )
 
     def _client_options(self, column: Column) -> dict[str, Any]:

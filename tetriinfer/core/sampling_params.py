@@ -5,7 +5,16 @@ Pure value object: validated once at construction, never mutated afterwards.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+
+MAX_SEED = 0x7FFFFFFF  # request seeds are 31-bit: every OpenAI-compatible server accepts them
+
+
+def derived_seed(key: str) -> int:
+    """A request seed that is a function of ``key`` only (its SHA-256, cut to 31 bits): the same key draws the same
+    sampled answer from any server that honours ``seed``."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & MAX_SEED
 
 
 @dataclass(frozen=True)

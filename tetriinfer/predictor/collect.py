@@ -9,13 +9,14 @@ already in the file. Invariant: the file never holds two lines for one prompt wr
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from tetriinfer.core.sampling_params import derived_seed
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,7 @@ def _repair_tail(out_file: Path) -> None:
 def prompt_seed(prompt: str, sample_seed: int) -> int:
     """The request seed of one prompt: a function of the prompt text and ``sample_seed`` only, so a resumed or
     repeated collection draws the same answer for the same prompt from a server that honours ``seed``."""
-    digest = hashlib.sha256(f"sample:{sample_seed}:{prompt}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return derived_seed(f"sample:{sample_seed}:{prompt}")
 
 
 def _payload(config: CollectConfig, prompt: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tetriinfer.runtime.predictor_hook import PREDICTOR_MODES
 from tetriinfer.runtime.priority import check_nice, check_rt_priority
 
 ROLES = ("prefill", "decode", "colocated")
@@ -80,9 +81,8 @@ class InstanceSpec(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.predictor_mode not in ("auto", "in-band", "parallel", "sequential"):
-            raise ValueError("predictor_mode must be one of auto, in-band, parallel, sequential, got "
-                             f"{self.predictor_mode!r}")
+        if self.predictor_mode not in PREDICTOR_MODES:
+            raise ValueError(f"predictor_mode must be one of {', '.join(PREDICTOR_MODES)}, got {self.predictor_mode!r}")
         if self.kv_transfer not in ("request", "chunk"):
             raise ValueError(f"kv_transfer must be 'request' or 'chunk', got {self.kv_transfer!r}")
         if self.kv_handoff not in KV_HANDOFFS:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from tetriinfer.runtime.cluster_config import MODES
+from tetriinfer.runtime.predictor_hook import PREDICTOR_MODES
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
     sched.add_argument("--heavy-decode-tokens", type=int, default=128)
     sched.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's greedy lengths) | sampled (on its "
                             "lengths sampled at temperature 0.7: for sampled serving) | a predictor folder")
-    sched.add_argument("--predictor-mode", default="auto", choices=["auto", "in-band", "parallel", "sequential"],
+    sched.add_argument("--predictor-mode", default="auto", choices=PREDICTOR_MODES,
                        help="in-band: a served-model predictor reads its features from the serving prefill itself "
                        "(no second model runs); parallel: the predictor runs on a thread beside the prefill; "
                        "sequential: before it; auto (default): in-band where the predictor allows it, else parallel")
