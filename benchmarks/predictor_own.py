@@ -15,7 +15,15 @@ midpoint and the true length (``metrics.granularity_report``).
         --out /tmp/predictor_own_sampled.json       # the answers sampled at temperature 0.7
 
 Columns per granularity: accuracy, majority accuracy, Spearman of the predicted bucket's midpoint, Spearman of
-the expected length under the predicted probabilities (mean ± standard deviation over the split seeds).
+the expected length under the predicted probabilities (mean ± standard deviation over the split seeds), each
+against the first answer of every held-out prompt. Where every prompt has several answers (``--lengths
+sampled``: three sampled answers each), the head fits all answers of the training prompts (``--train-on
+first`` for the first only), and further columns (g=100) score against each answer (averaged) and against the
+mean of a prompt's answers, next to how well one answer ranks the mean of the others (the ceiling of a
+predictor scored on one answer).
+
+    nice python benchmarks/predictor_own.py --features /tmp/own_l20.npz --steps 0 --lengths sampled \
+        --variants "L20 last, multinomial" --seeds 0 3 4 5 6 7 8 9
 """
 
 from __future__ import annotations
@@ -91,16 +99,20 @@ def main() -> int:
         DEFAULT_GRANULARITY,
         DEFAULT_MAX_LENGTH_TOKENS,
         SHIPPED_LENGTHS,
+        read_length_samples,
         served_prompt_text,
-        shipped_lengths_path,
+        shipped_sample_paths,
     )
-    from tetriinfer.predictor.metrics import LengthBaseline, granularity_report
+    from tetriinfer.predictor.metrics import LengthBaseline, granularity_report, spearman
     from tetriinfer.predictor.own import fit_head
     from tetriinfer.predictor.target_tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="greedy",
-                    help="collected JSONL, or the shipped lengths of the default model: greedy (default) or sampled")
+    ap.add_argument("--lengths", nargs="+", default=["greedy"],
+                    help="collected JSONL files (a prompt answered in several files has several answers), or the "
+                         "shipped lengths of the default model: greedy (default) or sampled (three answers each)")
+    ap.add_argument("--train-on", choices=("first", "all"), default="all",
+                    help="fit on the first answer of each training prompt only, or on all of its answers")
     ap.add_argument("--model", default=None, help="served model folder (default: the default model)")
     ap.add_argument("--features", required=True, help="raw feature cache (.npz); made when missing")
     ap.add_argument("--steps", type=int, default=32, help="greedy steps kept in the cache")
@@ -110,16 +122,18 @@ def main() -> int:
     a = ap.parse_args()
 
     model = Path(a.model) if a.model else default_model_path()
-    lengths = shipped_lengths_path(a.lengths) if a.lengths in SHIPPED_LENGTHS else Path(a.lengths)
-    rows = [json.loads(x) for x in lengths.read_text(encoding="utf-8").splitlines() if x.strip()]
-    instructions = [r["prompt"] for r in rows]
-    y = np.array([r["output_tokens"] for r in rows], dtype=np.int64)
+    files = [p for name in a.lengths
+             for p in (shipped_sample_paths(name) if name in SHIPPED_LENGTHS else [Path(name)])]
+    instructions, samples = read_length_samples(files)
+    n_answers = min(len(v) for v in samples)
+    answers = np.array([v[:n_answers] for v in samples], dtype=np.int64)  # (prompts, n_answers)
+    y = answers[:, 0]  # scored against the first answer, as one-answer datasets are
     feats = Path(a.features)
     if not feats.exists():
         extract_raw(model, instructions, a.steps, feats)
     f = dict(np.load(feats))
-    if len(f["ptok"]) != len(rows):
-        raise SystemExit(f"{feats} has {len(f['ptok'])} rows, the lengths file {len(rows)}")
+    if len(f["ptok"]) != len(instructions):
+        raise SystemExit(f"{feats} has {len(f['ptok'])} rows, the lengths {len(instructions)} prompts")
     end_ids = {int(x) for x in f.get("end_ids", [2])}
     tok = load_tokenizer(model)
     served = [served_prompt_text(tok, s) for s in instructions]
@@ -138,17 +152,24 @@ def main() -> int:
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants}
     results: dict[str, Any] = {}
+    extra = ("spearman_each", "spearman_expected_each", "spearman_mean", "spearman_expected_mean",
+             "answer_vs_other_answers") if n_answers > 1 else ()
     print("| features | " + " | ".join(f"{k} g={g}" for g in (100, 200)
-                                       for k in ("acc", "majority", "Spearman", "Spearman_E")) + " |")
-    print("|---|" + "---|" * 8, flush=True)
+                                       for k in ("acc", "majority", "Spearman", "Spearman_E"))
+          + "".join(f" | {k} g=100" for k in extra) + " |")
+    print("|---|" + "---|" * (8 + len(extra)), flush=True)
     for name, (layers, pooling, steps, head_kind) in variants.items():
         x = feature_matrix(f, layers, pooling, steps, end_ids)
         runs = []
         for seed in a.seeds:
             val = np.array([split_of(s, seed, 0.2) == "val" for s in served])
-            head = fit_head(x[~val], y[~val], spec, head_kind)
+            train = np.flatnonzero(~val)
+            cols = range(n_answers) if a.train_on == "all" else range(1)
+            rows_t = np.concatenate([train for _ in cols])
+            y_t = np.concatenate([answers[train, c] for c in cols])
+            head = fit_head(x[rows_t], y_t, spec, head_kind, groups=rows_t)
             probs = head.probs(x[val])
-            hist = np.bincount(spec.buckets_of(y[~val]), minlength=spec.num_buckets).astype(np.float64)
+            hist = np.bincount(spec.buckets_of(y_t), minlength=spec.num_buckets).astype(np.float64)
             base = LengthBaseline.fit(f["ptok"][~val], y[~val])
             rep: dict[str, Any] = {}
             for g in (100, 200):
@@ -158,6 +179,21 @@ def main() -> int:
                 rep[str(g)] = granularity_report(p2, y[val], f["ptok"][val], s2, h2, base)
             cap_true = y[val] >= DEFAULT_MAX_LENGTH_TOKENS
             cap_pred = probs.argmax(1) == spec.num_buckets - 1
+            if n_answers > 1:  # against every answer of the held-out prompts, and against their mean (less label noise)
+                mids = spec.midpoints()
+                pred, expected = mids[probs.argmax(1)], probs @ mids
+                rep["answers"] = {
+                    "answers": n_answers,
+                    "spearman_each": statistics.mean(spearman(pred, answers[val, c]) for c in range(n_answers)),
+                    "spearman_expected_each": statistics.mean(spearman(expected, answers[val, c])
+                                                              for c in range(n_answers)),
+                    "spearman_mean": spearman(pred, answers[val].mean(axis=1)),
+                    "spearman_expected_mean": spearman(expected, answers[val].mean(axis=1)),
+                    # how well one answer ranks the others: the ceiling of any predictor scored on one answer
+                    "answer_vs_other_answers": statistics.mean(
+                        spearman(answers[val, c], np.delete(answers[val], c, axis=1).mean(axis=1))
+                        for c in range(n_answers)),
+                }
             rep["cap"] = {"true_cap_pred_cap": int(np.sum(cap_true & cap_pred)),
                           "true_cap_pred_short": int(np.sum(cap_true & ~cap_pred)),
                           "true_short_pred_cap": int(np.sum(~cap_true & cap_pred)),
@@ -169,7 +205,7 @@ def main() -> int:
                          "head": head_kind, "features": int(x.shape[1]), "runs": runs}
         print(f"| {name} | " + " | ".join(_cell(runs, g, k) for g in ("100", "200")
                                          for k in ("accuracy", "majority_accuracy", "spearman", "spearman_expected"))
-              + " |",
+              + "".join(f" | {_cell(runs, 'answers', k)}" for k in extra) + " |",
               flush=True)
     cost = {"steps_cached": int(f["ent"].shape[1])}
     if "secs" in f:

@@ -55,6 +55,37 @@ def test_shipped_sampled_lengths_answer_the_same_prompts_with_their_seeds() -> N
     assert sum(r["output_tokens"] == 1024 for r in sampled) < sum(r["output_tokens"] == 1024 for r in greedy)
 
 
+def test_sampled_serving_ships_three_answers_per_prompt_with_their_seeds() -> None:
+    from tetriinfer.predictor.collect import prompt_seed
+    from tetriinfer.predictor.default import read_length_samples, shipped_sample_paths
+
+    paths = shipped_sample_paths("sampled")
+    assert paths[0] == shipped_lengths_path("sampled") and len(paths) == 3
+    sets = [[json.loads(x) for x in p.read_text(encoding="utf-8").splitlines() if x.strip()] for p in paths]
+    assert all([r["prompt"] for r in rows] == [r["prompt"] for r in sets[0]] for rows in sets)  # same order
+    for seed, rows in enumerate(sets):
+        assert all(r["seed"] == prompt_seed(r["prompt"], seed) and r["temperature"] == 0.7 for r in rows)
+        assert all(r["finish_reason"] == "stop" or r["output_tokens"] == 1024 for r in rows)
+    prompts, samples = read_length_samples(paths)
+    assert prompts == [r["prompt"] for r in sets[0]] and all(len(v) == 3 for v in samples)
+    assert samples[0] == [rows[0]["output_tokens"] for rows in sets]
+    # three draws of one prompt differ: one sampled length is a noisy label
+    assert sum(len(set(v)) > 1 for v in samples) > 0.8 * len(samples)
+    assert shipped_sample_paths("greedy") == [shipped_lengths_path("greedy")]
+
+
+def test_length_samples_reader_rejects_bad_files(tmp_path: Path) -> None:
+    from tetriinfer.predictor.default import read_length_samples
+
+    empty, bad = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl"
+    empty.write_text("\n", encoding="utf-8")
+    bad.write_text(json.dumps({"prompt": "a"}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="holds no lengths"):
+        read_length_samples([empty])
+    with pytest.raises(ValueError, match="line 1 needs prompt and output_tokens"):
+        read_length_samples([bad])
+
+
 def test_unknown_shipped_lengths_name_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="greedy, sampled"):
         shipped_lengths_path("nucleus")
@@ -82,6 +113,7 @@ def test_sampled_predictor_is_made_once_in_the_cache_with_its_recipe(tmp_path: P
     trained = set(json.loads((path / "predictor.json").read_text(encoding="utf-8"))["train_prompt_hashes"])
     assert 100 < len(held_out) < 250 and not trained & held_out  # a benchmark on held-out prompts meets real errors
     assert tc["head"] == "multinomial" and tc["train_prompts"] == len(trained) == 805 - len(held_out)
+    assert tc["train_answers"] == 3 * tc["train_prompts"]  # every shipped sampled answer of those prompts
     assert tc["features"]["pooling"] == ["last"] and tc["features"]["prefix_steps"] == 0
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no staging folder left behind
     stamp = (path / "predictor.json").stat().st_mtime_ns

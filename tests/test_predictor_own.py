@@ -18,6 +18,7 @@ from tetriinfer.predictor.own import (
     OwnFeatureConfig,
     OwnModelPredictor,
     fit_head,
+    group_folds,
     is_own_predictor,
     prefix_statistics,
     train_own_predictor,
@@ -100,6 +101,40 @@ def test_two_stage_head_puts_cap_mass_in_the_open_bucket() -> None:
         LinearHead("nope", SPEC, {})
 
 
+def test_folds_keep_every_answer_of_a_prompt_on_one_side() -> None:
+    from sklearn.model_selection import KFold
+
+    groups = np.repeat(np.arange(20), 3)  # 20 prompts answered 3 times each
+    folds = group_folds(groups, 5, seed=0)
+    assert len(folds) == 5
+    assert sorted(np.concatenate([test for _, test in folds]).tolist()) == list(range(60))  # each row tested once
+    for train, test in folds:
+        assert not set(groups[train]) & set(groups[test])
+    # one answer per prompt: exactly the row folds the head was always fit with
+    single = group_folds(np.arange(30), 5, seed=3)
+    for (a, b), (c, d) in zip(single, KFold(5, shuffle=True, random_state=3).split(np.zeros(30)), strict=True):
+        assert a.tolist() == c.tolist() and b.tolist() == d.tolist()
+    with pytest.raises(ValueError, match="at least 2 groups"):
+        group_folds(np.zeros(10), 5, seed=0)
+    with pytest.raises(ValueError, match="group ids"):
+        fit_head(np.zeros((12, 2)), np.arange(12), SPEC, "multinomial", groups=np.arange(11))
+
+
+def test_multinomial_head_on_repeated_answers_is_the_weighted_fit() -> None:
+    """Several answers per prompt fit as one weighted row per (prompt, bucket): the probabilities follow how
+    often each bucket was answered, not one draw."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(60, 2))
+    # each prompt answered 4 times: short (bucket 0) with probability sigmoid(3 * x0), else long (bucket 5)
+    p_short = 1 / (1 + np.exp(-3 * x[:, 0]))
+    answers = np.where(rng.random((60, 4)) < p_short[:, None], 30, 520)
+    rows = np.repeat(np.arange(60), 4)
+    head = fit_head(x[rows], answers.ravel(), SPEC, "multinomial", groups=rows)
+    probs = head.probs(np.array([[2.0, 0.0], [-2.0, 0.0], [0.0, 0.0]]))
+    assert probs[0, 0] > 0.8 and probs[1, 5] > 0.8 and 0.25 < probs[2, 0] < 0.75
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-9)
+
+
 def test_prefix_statistics_see_the_end_token() -> None:
     ended = prefix_statistics(np.ones(4), np.full(4, 0.95), [5, 6, 2, 9], {2})
     running = prefix_statistics(np.ones(4), np.full(4, 0.95), [5, 5, 5, 5], {2})
@@ -163,6 +198,26 @@ def test_cli_train_own_takes_the_pooling_and_head_it_is_given(tmp_path: Path, ti
                  str(tmp_path / "p4"), "--layers", "1", "--hold-out", "1.5"]) != 0
     assert "--hold-out must be in [0, 1)" in capsys.readouterr().err
     assert not any((tmp_path / p).exists() for p in ("p2", "p3", "p4"))  # nothing written
+
+
+def test_cli_train_own_trains_on_every_answer_of_prompts_answered_several_times(tmp_path: Path,
+                                                                              tiny_llama: Path) -> None:
+    from tetriinfer.cli import main
+
+    prompts, lengths = _fixture()
+    files = []
+    for seed in range(2):  # two sampled answer sets of the same prompts, the second one a little longer
+        f = tmp_path / f"seed{seed}.jsonl"
+        f.write_text("".join(json.dumps({"prompt": p, "output_tokens": n + 50 * seed}) + "\n"
+                             for p, n in zip(prompts, lengths, strict=True)), encoding="utf-8")
+        files.append(str(f))
+    out = tmp_path / "pred"
+    assert main(["predictor", "train-own", "--lengths", *files, "--model", str(tiny_llama), "--out", str(out),
+                 "--layers", "1", "--pooling", "last", "--prefix-steps", "0", "--head", "multinomial"]) == 0
+    meta = json.loads((out / "predictor.json").read_text(encoding="utf-8"))
+    assert meta["train_config"]["train_prompts"] == len(prompts) and meta["train_config"]["train_answers"] == 2 * len(prompts)
+    both = np.concatenate([np.array(lengths), np.array(lengths) + 50])
+    assert meta["train_histogram"] == np.bincount(SPEC.buckets_of(both), minlength=SPEC.num_buckets).tolist()
 
 
 def test_cli_train_own_holds_out_the_split_it_is_asked_to(tmp_path: Path, tiny_llama: Path) -> None:

@@ -89,9 +89,10 @@ def add_subparsers(subparsers: Any) -> None:
     t.set_defaults(handler=_train)
 
     o = sub.add_parser("train-own", help="fit a served-model predictor: the served model's own features, linear head")
-    o.add_argument("--lengths", default="greedy", metavar="FILE|greedy|sampled",
-                   help="JSONL of prompt (the user instruction) + output_tokens, or the default model's shipped "
-                        "lengths: greedy (default) or sampled (temperature 0.7)")
+    o.add_argument("--lengths", nargs="+", default=["greedy"], metavar="FILE|greedy|sampled",
+                   help="JSONL files of prompt (the user instruction) + output_tokens (a prompt answered several "
+                        "times, e.g. sampled with several seeds, trains on every answer), or the default model's "
+                        "shipped lengths: greedy (default) or sampled (temperature 0.7, three answers per prompt)")
     o.add_argument("--model", default=None, metavar="DIR", help="the served model folder (default: the default model)")
     o.add_argument("--out", required=True, metavar="PREDICTOR_DIR")
     o.add_argument("--granularity", type=int, default=100, metavar="G")
@@ -203,18 +204,22 @@ def _train_own(args: argparse.Namespace) -> int:
     from tetriinfer.predictor.default import (
         DEFAULT_TARGET,
         SHIPPED_LENGTHS,
-        shipped_lengths_path,
+        read_length_samples,
+        shipped_sample_paths,
         training_part,
     )
     from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
 
-    name = args.lengths or "greedy"
-    lengths = shipped_lengths_path(name) if name in SHIPPED_LENGTHS else Path(name)
-    if not lengths.is_file():
-        raise ValueError(f"--lengths {name}: no such file (or a shipped set: {', '.join(SHIPPED_LENGTHS)})")
-    rows = [json.loads(x) for x in lengths.read_text(encoding="utf-8").splitlines() if x.strip()]
-    if not rows:
-        raise ValueError(f"{lengths} holds no lengths")
+    files: list[Path] = []
+    for name in args.lengths or ["greedy"]:
+        if name in SHIPPED_LENGTHS:
+            files.extend(shipped_sample_paths(name))
+        elif Path(name).is_file():
+            files.append(Path(name))
+        else:
+            raise ValueError(f"--lengths {name}: no such file (or a shipped set: {', '.join(SHIPPED_LENGTHS)})")
+    prompts, samples = read_length_samples(files)
+    first = json.loads(next(x for x in files[0].read_text(encoding="utf-8").splitlines() if x.strip()))
     config = OwnFeatureConfig()
     if args.layers is not None:
         pooling = tuple(dict.fromkeys(args.pooling or ("last", "mean")))
@@ -225,16 +230,18 @@ def _train_own(args: argparse.Namespace) -> int:
         config = replace(config, prefix_steps=args.prefix_steps)
     model = Path(args.model) if args.model else default_model_path()
     spec = BucketSpec.for_granularity(args.granularity, args.max_length_tokens)
-    target = str(rows[0].get("model") or (DEFAULT_TARGET if not args.model else model.name))
+    target = str(first.get("model") or (DEFAULT_TARGET if not args.model else model.name))
     if not 0.0 <= args.hold_out < 1.0:
         raise ValueError(f"--hold-out must be in [0, 1), got {args.hold_out}")
-    keep, served = training_part([str(r["prompt"]) for r in rows], model, args.hold_out)
+    keep, served = training_part(prompts, model, args.hold_out)
     if not keep:
         raise ValueError(f"--hold-out {args.hold_out} leaves no training prompt")
-    train_own_predictor([rows[i]["prompt"] for i in keep], [int(rows[i]["output_tokens"]) for i in keep], model,
+    train_own_predictor([prompts[i] for i in keep], [samples[i] for i in keep], model,
                         args.out, spec, target=target, feature_config=config, head_kind=args.head,
                         num_threads=args.threads, hash_texts=[served[i] for i in keep])
-    print(f"served-model predictor saved to {args.out} ({len(keep)} of {len(rows)} prompts, model {model})")
+    answers = sum(len(samples[i]) for i in keep)
+    print(f"served-model predictor saved to {args.out} ({len(keep)} of {len(prompts)} prompts, {answers} answers, "
+          f"model {model})")
     return 0
 
 

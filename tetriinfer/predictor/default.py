@@ -35,9 +35,14 @@ DEFAULT_GRANULARITY = 100
 DEFAULT_MAX_LENGTH_TOKENS = 1000  # answers capped at 1024 tokens share the open last bucket [1000, inf)
 LENGTHS_FILE = "smollm2_lengths.jsonl"
 # The default model's answers to the 805 AlpacaEval instructions (chat endpoint, natural endings, max_tokens
-# 1024), by how they were decoded: greedy, or sampled at temperature 0.7 (one answer per prompt, its seed derived
-# from the prompt text: ``collect.prompt_seed(prompt, 0)``). Same prompts, same order.
+# 1024), by how they were decoded: greedy, or sampled at temperature 0.7 (each prompt's seed derived from its
+# text: ``collect.prompt_seed(prompt, s)``). Same prompts, same order in every file.
 SHIPPED_LENGTHS = {"greedy": LENGTHS_FILE, "sampled": "smollm2_lengths_t07.jsonl"}
+# Every shipped answer set of a kind, first the one ``SHIPPED_LENGTHS`` names: sampled serving has three
+# answers per prompt (sample seeds s = 0, 1, 2), since one sampled length is a noisy label of a prompt.
+SHIPPED_SAMPLES = {"greedy": (LENGTHS_FILE,),
+                   "sampled": ("smollm2_lengths_t07.jsonl", "smollm2_lengths_t07_seed1.jsonl",
+                               "smollm2_lengths_t07_seed2.jsonl")}
 HELD_OUT_SEED = 0  # the default predictor's split of the shipped prompts (``dataset.DatasetConfig`` defaults)
 HELD_OUT_FRACTION = 0.2
 
@@ -50,6 +55,34 @@ def shipped_lengths_path(kind: str = "greedy") -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"shipped length data missing: {path}")
     return path
+
+
+def shipped_sample_paths(kind: str = "greedy") -> list[Path]:
+    """Every shipped answer set of ``kind`` (``SHIPPED_SAMPLES``), the one ``shipped_lengths_path`` gives first."""
+    shipped_lengths_path(kind)  # the name check
+    paths = [Path(str(resources.files("tetriinfer").joinpath("data", name))) for name in SHIPPED_SAMPLES[kind]]
+    missing = [str(x) for x in paths if not x.is_file()]
+    if missing:
+        raise FileNotFoundError(f"shipped length data missing: {', '.join(missing)}")
+    return paths
+
+
+def read_length_samples(paths: list[Path]) -> tuple[list[str], list[list[int]]]:
+    """The prompts of JSONL length files (``prompt`` + ``output_tokens`` per line), in order of first appearance,
+    and each prompt's lengths in file order: a prompt answered several times (in one file or across files) has
+    several. ValueError for a file with no lengths or a line without those fields."""
+    lengths: dict[str, list[int]] = {}
+    for path in paths:
+        rows = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+        if not rows:
+            raise ValueError(f"{path} holds no lengths")
+        for i, row in enumerate(rows):
+            try:
+                prompt, n = str(row["prompt"]), int(row["output_tokens"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}: line {i + 1} needs prompt and output_tokens: {exc}") from exc
+            lengths.setdefault(prompt, []).append(n)
+    return list(lengths), list(lengths.values())
 
 
 def served_prompt_text(tokenizer: Any, instruction: str) -> str:
@@ -169,22 +202,21 @@ def training_part(instructions: list[str], model_dir: str | Path, val_fraction: 
 def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None, *,
                             num_threads: int | None = 1) -> Path:
     """Train the served-model predictor on the default model's sampled (temperature 0.7) lengths of the training
-    prompts (the default predictor's split) into ``out``, written whole or not at all (a staging folder renamed
-    into place)."""
+    prompts (the default predictor's split; all three shipped answers of each) into ``out``, written whole or not
+    at all (a staging folder renamed into place)."""
     from tetriinfer.engine.make_model import default_model_path
     from tetriinfer.predictor.buckets import BucketSpec
     from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
 
     model = Path(model_dir) if model_dir is not None else default_model_path()
-    rows = [json.loads(x) for x in shipped_lengths_path("sampled").read_text(encoding="utf-8").splitlines()
-            if x.strip()]
+    prompts, samples = read_length_samples(shipped_sample_paths("sampled"))
     # the default predictor's split: its held-out prompts stay unseen here too, so a benchmark on them
     # (bench.real_workloads) meets the predictor's real errors
-    keep, served = training_part([str(r["prompt"]) for r in rows], model)
+    keep, served = training_part(prompts, model)
     config = OwnFeatureConfig(layers=SAMPLED_LAYERS, pooling=SAMPLED_POOLING, prefix_steps=0)
     spec = BucketSpec.for_granularity(DEFAULT_GRANULARITY, DEFAULT_MAX_LENGTH_TOKENS)
     with _written_whole(out) as (_, final):
-        train_own_predictor([rows[i]["prompt"] for i in keep], [int(rows[i]["output_tokens"]) for i in keep], model,
+        train_own_predictor([prompts[i] for i in keep], [samples[i] for i in keep], model,
                             final, spec, target=DEFAULT_TARGET, feature_config=config, head_kind=SAMPLED_HEAD,
                             num_threads=num_threads, hash_texts=[served[i] for i in keep])
     return Path(out).expanduser().absolute()

@@ -279,11 +279,30 @@ class LinearHead:
         return cls(kind=kind, spec=spec, arrays=arrays)
 
 
-def fit_head(x: np.ndarray, lengths: np.ndarray, spec: BucketSpec, kind: str = "two-stage",
-             seed: int = 0) -> LinearHead:
-    """Fit a head on training rows; regularisation chosen by 5-fold CV on these rows only."""
-    from sklearn.linear_model import LogisticRegressionCV, RidgeCV
+def group_folds(groups: np.ndarray, k: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``k`` (train rows, test rows) splits in which all rows of one group (one prompt answered several times)
+    fall on the same side, groups shuffled by ``seed``; ``k`` is capped at the number of groups."""
     from sklearn.model_selection import KFold
+
+    groups = np.asarray(groups)
+    uniq = np.unique(groups)
+    k = min(k, len(uniq))
+    if k < 2:
+        raise ValueError("cross-validation needs at least 2 groups")
+    out = []
+    for _, test_groups in KFold(k, shuffle=True, random_state=seed).split(uniq):
+        test = np.isin(groups, uniq[test_groups])
+        out.append((np.flatnonzero(~test), np.flatnonzero(test)))
+    return out
+
+
+def fit_head(x: np.ndarray, lengths: np.ndarray, spec: BucketSpec, kind: str = "two-stage",
+             seed: int = 0, groups: np.ndarray | None = None) -> LinearHead:
+    """Fit a head on training rows; regularisation chosen by 5-fold CV on these rows only.
+
+    ``groups`` (one id per row, default: every row its own) keeps the rows of one prompt in one fold, so a
+    prompt answered several times (several sampled lengths, one row each) never scores its own answers."""
+    from sklearn.linear_model import LogisticRegressionCV, RidgeCV
 
     if kind not in HEAD_KINDS:
         raise ValueError(f"unknown head kind {kind!r}; expected one of {HEAD_KINDS}")
@@ -291,16 +310,27 @@ def fit_head(x: np.ndarray, lengths: np.ndarray, spec: BucketSpec, kind: str = "
     lengths = np.asarray(lengths, dtype=np.int64)
     if x.ndim != 2 or x.shape[0] != lengths.shape[0] or x.shape[0] < 10:
         raise ValueError("need a 2-d feature matrix with one row per length and at least 10 rows")
+    groups = np.arange(len(lengths)) if groups is None else np.asarray(groups)
+    if groups.shape != lengths.shape:
+        raise ValueError(f"{groups.shape[0]} group ids for {lengths.shape[0]} rows")
     mean, scale = x.mean(axis=0), x.std(axis=0)
     scale[scale == 0] = 1.0
     z = (x - mean) / scale
-    folds = KFold(5, shuffle=True, random_state=seed)
+    folds = group_folds(groups, 5, seed)
     cs = np.logspace(-4, 1, 8)
     buckets = spec.buckets_of(lengths)
     if kind == "multinomial":
-        clf = LogisticRegressionCV(Cs=cs, cv=folds, max_iter=3000, scoring="neg_log_loss",
-                                   l1_ratios=(0.0,), use_legacy_attributes=True).fit(z, buckets)
-        return LinearHead(kind, spec, {"mean": mean, "scale": scale, "w": clf.coef_, "b": clf.intercept_,
+        # one row per (prompt, bucket), weighted by its count: the same fit as one row per answer, fewer rows
+        codes = np.unique(groups, return_inverse=True)[1]
+        _, first, counts = np.unique(np.stack([codes, buckets], axis=1), axis=0, return_index=True,
+                                     return_counts=True)
+        clf = LogisticRegressionCV(Cs=cs, cv=group_folds(codes[first], 5, seed), max_iter=3000,
+                                   scoring="neg_log_loss", l1_ratios=(0.0,), use_legacy_attributes=True)
+        clf.fit(z[first], buckets[first], sample_weight=counts.astype(np.float64))
+        w, b = clf.coef_, clf.intercept_
+        if len(clf.classes_) == 2:  # a binary fit has one logit (class 1 vs 0): softmax over (0, logit) is the same
+            w, b = np.vstack([np.zeros_like(w), w]), np.concatenate([np.zeros_like(b), b])
+        return LinearHead(kind, spec, {"mean": mean, "scale": scale, "w": w, "b": b,
                                        "classes": clf.classes_.astype(np.int64)})
     cap = (buckets == spec.num_buckets - 1).astype(np.int64)
     if cap.min() == cap.max():
@@ -312,7 +342,7 @@ def fit_head(x: np.ndarray, lengths: np.ndarray, spec: BucketSpec, kind: str = "
     alphas = np.logspace(-1, 4, 12)
     reg = RidgeCV(alphas=alphas).fit(z[rest], target)
     resid = []
-    for a, b in KFold(min(5, int(rest.sum())), shuffle=True, random_state=seed).split(z[rest]):
+    for a, b in group_folds(groups[rest], 5, seed):
         r = RidgeCV(alphas=alphas).fit(z[rest][a], target[a])
         resid.append(r.predict(z[rest][b]) - target[b])
     sd = max(float(np.std(np.concatenate(resid))), 1e-3)
@@ -321,13 +351,15 @@ def fit_head(x: np.ndarray, lengths: np.ndarray, spec: BucketSpec, kind: str = "
                                    "reg_b": np.array(reg.intercept_), "reg_sd": np.array(sd)})
 
 
-def train_own_predictor(instructions: Sequence[str], lengths: Sequence[int], model_dir: str | Path,
+def train_own_predictor(instructions: Sequence[str], lengths: Sequence[int | Sequence[int]], model_dir: str | Path,
                         out: str | Path, spec: BucketSpec, *, target: str, features: np.ndarray | None = None,
                         feature_config: OwnFeatureConfig | None = None, head_kind: str = "two-stage",
                         num_threads: int | None = 1, hash_texts: Sequence[str] | None = None) -> PredictorMeta:
     """Extract features of every instruction (as a served chat request) with the served model, fit the
     head, and write the predictor folder ``out``.
 
+    ``lengths`` gives each instruction's answer length, or several (sampled answers): the head then fits one
+    row per answer, the rows of one instruction kept in one cross-validation fold.
     ``features`` (rows in instruction order, made with ``feature_config``) skips the extraction;
     ``hash_texts`` are the texts whose hashes mark the training prompts (default: the instructions;
     pass the served-form texts to match a length dataset's prompts)."""
@@ -343,9 +375,13 @@ def train_own_predictor(instructions: Sequence[str], lengths: Sequence[int], mod
         features = FeatureExtractor(model_dir, config, num_threads).features(ids, progress=len(ids) >= 50)
     if features.shape[0] != len(ids):
         raise ValueError(f"{features.shape[0]} feature rows for {len(ids)} instructions")
-    y = np.asarray(lengths, dtype=np.int64)
-    head = fit_head(features, y, spec, head_kind)
-    ptoks = np.array([len(i) for i in ids])
+    per_prompt = [[int(v)] if isinstance(v, (int, np.integer)) else [int(n) for n in v] for v in lengths]
+    if any(not v for v in per_prompt):
+        raise ValueError("every instruction needs at least one length")
+    rows = np.concatenate([np.full(len(v), i) for i, v in enumerate(per_prompt)])  # the instruction of each answer
+    y = np.array([n for v in per_prompt for n in v], dtype=np.int64)
+    head = fit_head(features[rows], y, spec, head_kind, groups=rows)
+    ptoks = np.array([len(ids[i]) for i in rows])
     meta = PredictorMeta(
         spec=spec, target=target, target_tokenizer=tokenizer_info(model_dir, tok), base_model=str(model_dir),
         max_length=config.max_prompt_tokens,
@@ -353,7 +389,8 @@ def train_own_predictor(instructions: Sequence[str], lengths: Sequence[int], mod
         length_baseline=LengthBaseline.fit(ptoks, y),
         train_prompt_hashes=frozenset(prompt_hash(t) for t in (hash_texts or instructions)),
         train_config={"kind": KIND, "head": head_kind, "features": config.to_json(),
-                      "model_fingerprint": model_fingerprint(model_dir), "train_prompts": len(ids)},
+                      "model_fingerprint": model_fingerprint(model_dir), "train_prompts": len(ids),
+                      "train_answers": int(len(y))},
     )
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
