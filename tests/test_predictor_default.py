@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -120,3 +121,40 @@ def test_sampled_predictor_is_made_once_in_the_cache_with_its_recipe(tmp_path: P
     assert default.sampled_predictor_path(tmp_path) == path  # made once: the second call reuses it
     assert (path / "predictor.json").stat().st_mtime_ns == stamp
     assert OwnModelPredictor.load(path, num_threads=1).predict_ids([[1, 2, 3]])[0].bucket >= 0
+
+
+def test_shipped_sampled_predictor_follows_its_recipe_and_is_the_serve_default_for_its_model(
+        smollm2: Path, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoTokenizer
+
+    from tetriinfer.predictor import default
+    from tetriinfer.predictor.dataset import prompt_hash, split_of
+    from tetriinfer.server.cli import add_cluster_args, cluster_config_from_args
+
+    shipped = default.shipped_sampled_predictor()
+    assert shipped is not None and shipped.name == default.SAMPLED_NAME
+    meta = json.loads((shipped / "predictor.json").read_text(encoding="utf-8"))
+    tc = meta["train_config"]
+    assert tc["features"] == {"layers": list(default.SAMPLED_LAYERS), "pooling": list(default.SAMPLED_POOLING),
+                              "prefix_steps": 0, "max_prompt_tokens": 1024}
+    assert tc["head"] == default.SAMPLED_HEAD and tc["train_answers"] == 3 * tc["train_prompts"]
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    prompts, _ = default.read_length_samples(default.shipped_sample_paths("sampled"))
+    served = [default.served_prompt_text(tok, p) for p in prompts]
+    held_out = {prompt_hash(s) for s in served if split_of(s, 0, 0.2) == "val"}
+    assert set(meta["train_prompt_hashes"]) == {prompt_hash(s) for s in served} - held_out
+    # it fits the real model converted afresh, not another model
+    assert default.shipped_predictor_fits(smollm2) and not default.shipped_predictor_fits(tiny_llama)
+
+    monkeypatch.setenv("TETRIINFER_CACHE", str(tmp_path))
+    resolved = default.resolve_predictor("auto", smollm2)
+    assert Path(resolved) == tmp_path / "predictors" / default.SAMPLED_NAME
+    # reused, not trained again: the cache holds the shipped files byte for byte
+    assert (Path(resolved) / "head.npz").read_bytes() == (shipped / "head.npz").read_bytes()
+    assert default.resolve_predictor("auto", tiny_llama) == "none" and default.resolve_predictor("auto") == "none"
+
+    p = argparse.ArgumentParser()
+    add_cluster_args(p)
+    assert cluster_config_from_args(p.parse_args([]), str(smollm2)).predictor == resolved  # serve's default
+    assert cluster_config_from_args(p.parse_args([]), str(tiny_llama)).predictor == "none"
+    assert cluster_config_from_args(p.parse_args(["--predictor", "none"]), str(smollm2)).predictor == "none"

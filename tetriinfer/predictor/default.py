@@ -199,16 +199,44 @@ def training_part(instructions: list[str], model_dir: str | Path, val_fraction: 
     return keep, served
 
 
+SAMPLED_NAME = f"{DEFAULT_TARGET}-sampled-g{DEFAULT_GRANULARITY}"
+
+
+def shipped_sampled_predictor() -> Path | None:
+    """The sampled-serving predictor as shipped in the package (``data/predictors/``; made by
+    ``build_sampled_predictor(..., reuse_shipped=False)`` on the default model), or None when it is missing."""
+    path = Path(str(resources.files("tetriinfer").joinpath("data", "predictors", SAMPLED_NAME)))
+    return path if (path / "predictor.json").is_file() else None
+
+
+def shipped_predictor_fits(model_dir: str | Path) -> bool:
+    """Whether the shipped sampled-serving predictor was trained with the model in ``model_dir`` (same
+    fingerprint: config and weights)."""
+    from tetriinfer.predictor.own import model_fingerprint
+
+    shipped = shipped_sampled_predictor()
+    if shipped is None or not (Path(model_dir) / "config.json").is_file():
+        return False
+    meta = json.loads((shipped / "predictor.json").read_text(encoding="utf-8"))
+    return str(meta.get("train_config", {}).get("model_fingerprint")) == model_fingerprint(model_dir)
+
+
 def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None, *,
-                            num_threads: int | None = 1) -> Path:
+                            num_threads: int | None = 1, reuse_shipped: bool = True) -> Path:
     """Train the served-model predictor on the default model's sampled (temperature 0.7) lengths of the training
     prompts (the default predictor's split; all three shipped answers of each) into ``out``, written whole or not
-    at all (a staging folder renamed into place)."""
+    at all (a staging folder renamed into place). For the model the package's copy was trained with, that copy is
+    used (``reuse_shipped``) instead of training again (one prefill per prompt plus the fit: minutes)."""
     from tetriinfer.engine.make_model import default_model_path
     from tetriinfer.predictor.buckets import BucketSpec
     from tetriinfer.predictor.own import OwnFeatureConfig, train_own_predictor
 
     model = Path(model_dir) if model_dir is not None else default_model_path()
+    shipped = shipped_sampled_predictor()
+    if reuse_shipped and shipped is not None and shipped_predictor_fits(model):  # the same recipe, already run
+        with _written_whole(out) as (_, final):
+            shutil.copytree(shipped, final)
+        return Path(out).expanduser().absolute()
     prompts, samples = read_length_samples(shipped_sample_paths("sampled"))
     # the default predictor's split: its held-out prompts stay unseen here too, so a benchmark on them
     # (bench.real_workloads) meets the predictor's real errors
@@ -224,11 +252,14 @@ def build_sampled_predictor(out: str | Path, model_dir: str | Path | None = None
 
 def sampled_predictor_path(cache: str | Path | None = None) -> Path:
     """The sampled-serving predictor in the cache, trained on first use (one prefill per shipped prompt: minutes)."""
-    return _cached_predictor(f"{DEFAULT_TARGET}-sampled-g{DEFAULT_GRANULARITY}", build_sampled_predictor, cache)
+    return _cached_predictor(SAMPLED_NAME, build_sampled_predictor, cache)
 
 
-def resolve_predictor(spec: str) -> str:
+def resolve_predictor(spec: str, model_dir: str | Path | None = None) -> str:
     """``default`` -> the default predictor folder, ``sampled`` -> the sampled-serving one (each made on first
-    use); other specs unchanged."""
+    use); ``auto`` -> the sampled-serving one where ``model_dir`` holds the model it was shipped for (it then
+    predicts in-band, about 15 us per request), else ``none``; other specs unchanged."""
+    if spec == "auto":
+        return str(sampled_predictor_path()) if model_dir is not None and shipped_predictor_fits(model_dir) else "none"
     made = {"default": default_predictor_path, "sampled": sampled_predictor_path}.get(spec)
     return spec if made is None else str(made())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from tetriinfer.runtime.cluster_config import MODES
@@ -72,8 +73,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> dict[str, Any]:
                        choices=["length-aware", "random", "round-robin", "least-loaded", "imbalanced"])
     sched.add_argument("--decode-policy", default="greedy", choices=["greedy", "reserve-static", "reserve-dynamic"])
     sched.add_argument("--heavy-decode-tokens", type=int, default=128)
-    sched.add_argument("--predictor", default="none", help="none | oracle | default (trained on the default model's greedy lengths) | sampled (on its "
-                            "lengths sampled at temperature 0.7: for sampled serving) | a predictor folder")
+    sched.add_argument("--predictor", default="auto", help="auto (default: the sampled-serving predictor for the default "
+                       "model, which predicts in-band at no cost; none for other models) | none | oracle | default (trained on "
+                       "the default model's greedy lengths) | sampled (on its lengths sampled at temperature 0.7) | a predictor folder")
     sched.add_argument("--predictor-mode", default="auto", choices=PREDICTOR_MODES,
                        help="in-band: a served-model predictor reads its features from the serving prefill itself "
                        "(no second model runs); parallel: the predictor runs on a thread beside the prefill; "
@@ -252,7 +254,7 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
         max_num_batched_tokens=args.max_num_batched_tokens, prefill_policy=args.prefill_policy,
         prefill_sched_batch=args.prefill_sched_batch, dispatch_policy=args.dispatch_policy,
         decode_policy=args.decode_policy, heavy_decode_tokens=args.heavy_decode_tokens,
-        predictor=_predictor_spec(args.predictor),
+        predictor=_predictor_spec(args.predictor, model),
         predictor_mode=args.predictor_mode,
         kv_backend=args.kv_backend, kv_transfer=args.kv_transfer, kv_handoff=args.kv_handoff,
         link_bandwidth=args.link_bandwidth, transfer_timeout_s=args.transfer_timeout,
@@ -276,12 +278,12 @@ def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any =
     )
 
 
-def _predictor_spec(spec: str) -> str:
+def _predictor_spec(spec: str, model: str) -> str:
     """``default`` / ``sampled``: a predictor trained on the default model's own lengths, greedy or sampled at
-    temperature 0.7 (made on first use)."""
+    temperature 0.7 (made on first use); ``auto``: the sampled one for the model it was shipped for, else none."""
     from tetriinfer.predictor.default import resolve_predictor
 
-    return resolve_predictor(spec)
+    return resolve_predictor(spec, model if Path(model).is_dir() else None)
 
 
 def build_client(args: argparse.Namespace, layout: Any = None) -> Any:
