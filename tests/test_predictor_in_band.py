@@ -121,3 +121,5 @@ def test_server_predicts_in_band_and_every_request_completes(last_token_predicto
         assert srv.cluster()["predictor"]["count"] == 4  # one prediction per request, from its own prefill
     finally:
         assert srv.stop() == 0
+    # the start-up lines say which predictor serves
+    assert f"length predictor: {last_token_predictor} (--predictor-mode auto)" in srv.proc.stdout.read()  # type: ignore[union-attr]

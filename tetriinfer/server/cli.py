@@ -347,6 +347,11 @@ def _serve(args: argparse.Namespace) -> int:
     elif args.mode != "single":
         desc += f" ({args.instances} instances)"
     print(f"TetriInfer serving {name!r} in mode {desc} at http://{args.host}:{args.port}/v1", flush=True)
+    config = getattr(client, "config", None)
+    if config is not None and config.disaggregated:
+        predictor = config.role_policies().predictor
+        print(f"  length predictor: {predictor}" + (f" (--predictor-mode {config.predictor_mode})"
+                                                    if predictor != "none" else ""), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
