@@ -70,15 +70,10 @@ def is_real_workload(name: str) -> bool:
 
 
 def _known_lengths(kind: str = "greedy") -> dict[str, int]:
-    from tetriinfer.predictor.default import shipped_lengths_path
+    from tetriinfer.predictor.default import read_length_samples, shipped_lengths_path
 
-    out: dict[str, int] = {}
-    with shipped_lengths_path(kind).open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                obj = json.loads(line)
-                out[str(obj["prompt"])] = int(obj["output_tokens"])
-    return out
+    prompts, samples = read_length_samples([shipped_lengths_path(kind)])
+    return {prompt: lengths[0] for prompt, lengths in zip(prompts, samples, strict=True)}
 
 
 def chat_tokenizer(tokenizer_dir: str, who: str) -> Any:

@@ -316,7 +316,6 @@ def fit_head(x: np.ndarray, lengths: np.ndarray, spec: BucketSpec, kind: str = "
     mean, scale = x.mean(axis=0), x.std(axis=0)
     scale[scale == 0] = 1.0
     z = (x - mean) / scale
-    folds = group_folds(groups, 5, seed)
     cs = np.logspace(-4, 1, 8)
     buckets = spec.buckets_of(lengths)
     if kind == "multinomial":
@@ -335,7 +334,7 @@ def fit_head(x: np.ndarray, lengths: np.ndarray, spec: BucketSpec, kind: str = "
     cap = (buckets == spec.num_buckets - 1).astype(np.int64)
     if cap.min() == cap.max():
         raise ValueError("the two-stage head needs training answers both in and below the open last bucket")
-    clf = LogisticRegressionCV(Cs=cs, cv=folds, max_iter=3000, scoring="neg_log_loss",
+    clf = LogisticRegressionCV(Cs=cs, cv=group_folds(groups, 5, seed), max_iter=3000, scoring="neg_log_loss",
                                l1_ratios=(0.0,), use_legacy_attributes=True).fit(z, cap)
     rest = cap == 0
     target = np.log1p(lengths[rest].astype(np.float64))
