@@ -39,6 +39,17 @@ class ServeProcess:
     def cluster(self) -> dict:
         return httpx.get(f"{self.base_url}/cluster", timeout=10).json()
 
+    def predictions(self, at_least: int, timeout: float = 15.0) -> int:
+        """The cluster's count of length predictions, polled until it reaches ``at_least`` or ``timeout`` passes:
+        instances report their prediction latencies with their periodic load reports, so the count trails the
+        responses by up to one report interval."""
+        deadline = time.monotonic() + timeout
+        count = self.cluster()["predictor"]["count"]
+        while count < at_least and time.monotonic() < deadline:
+            time.sleep(0.1)
+            count = self.cluster()["predictor"]["count"]
+        return count
+
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """``/cluster`` once no instance holds a block, queues or runs anything (or the last one seen at timeout)."""
         deadline = time.monotonic() + timeout

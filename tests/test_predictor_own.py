@@ -165,7 +165,7 @@ def test_server_uses_a_served_model_predictor(trained: Path, tiny_llama: Path) -
             body = {"model": "llama", "prompt": f"p {i}", "max_tokens": 8, "temperature": 0}
             r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
             assert r.status_code == 200, r.text
-        assert srv.cluster()["predictor"]["count"] >= 3
+        assert srv.predictions(at_least=3) >= 3
     finally:
         assert srv.stop() == 0
 

@@ -38,6 +38,10 @@ def server(request, tiny_llama):
     srv.mode = request.param
     yield srv
     assert srv.stop() == 0
+    # the start-up lines name the length predictor where one can serve (the disaggregated modes): none here,
+    # since the shipped predictor fits only the model it was trained with
+    startup = srv.proc.stdout.read()  # type: ignore[union-attr]
+    assert ("length predictor: none" in startup) == request.param.startswith("tetriinfer"), startup
 
 
 def test_shared_prefix_requests_match_uncached_engine_and_hits_are_reported(server, reference):

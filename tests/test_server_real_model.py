@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -190,9 +189,6 @@ def test_served_answers_equal_transformers_in_colocated_and_disaggregated_modes(
         try:
             assert_matches_reference(oai_of(srv.base_url), tok, reference, PROMPTS[:2])
             if "tetriinfer" in args:  # by default the shipped predictor predicts every request's length in-band
-                deadline = time.monotonic() + 10.0
-                while srv.cluster()["predictor"]["count"] < 2 and time.monotonic() < deadline:
-                    time.sleep(0.1)  # counts arrive with the prefill instance's next load report
-                assert srv.cluster()["predictor"]["count"] == 2
+                assert srv.predictions(at_least=2) == 2
         finally:
             srv.stop()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tetriinfer.runtime.cluster_config import MODES
+from tetriinfer.runtime.cluster_config import MODES, ClusterConfig
 from tetriinfer.runtime.predictor_hook import PREDICTOR_MODES
 
 
@@ -238,8 +238,6 @@ def resolve_pd_defaults(args: argparse.Namespace, prefill_rt_priority: int | Non
 
 def cluster_config_from_args(args: argparse.Namespace, model: str, layout: Any = None) -> Any:
     """The ``ClusterConfig`` of parsed serve flags; ``layout``: an already resolved ``--cpu-layout``."""
-    from tetriinfer.runtime.cluster_config import ClusterConfig
-
     layout = layout if layout is not None else serve_cpu_layout(args)
     pd = resolve_pd_defaults(args, layout.prefill_rt_priority)
     return ClusterConfig(**pd,
@@ -347,8 +345,8 @@ def _serve(args: argparse.Namespace) -> int:
     elif args.mode != "single":
         desc += f" ({args.instances} instances)"
     print(f"TetriInfer serving {name!r} in mode {desc} at http://{args.host}:{args.port}/v1", flush=True)
-    config = getattr(client, "config", None)
-    if config is not None and config.disaggregated:
+    config = getattr(client, "config", None)  # a ClusterConfig for cluster modes, an EngineConfig in mode single
+    if isinstance(config, ClusterConfig) and config.disaggregated:
         predictor = config.role_policies().predictor
         print(f"  length predictor: {predictor}" + (f" (--predictor-mode {config.predictor_mode})"
                                                     if predictor != "none" else ""), flush=True)
