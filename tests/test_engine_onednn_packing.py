@@ -1,6 +1,8 @@
 """Pre-packed oneDNN weights for bf16 matmuls (engine/onednn_packing.py): same numbers as ``F.linear``, memory
 not grown, the switch and the dtype / CPU conditions honoured. The AMX condition is a routing policy: these tests
-pretend to be on an AMX CPU so that they run on any CPU whose torch has oneDNN (the packed ops run everywhere)."""
+pretend to be on an AMX CPU so that they run on any CPU where oneDNN's bf16 reorder runs (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT); on others (AVX2 only) torch refuses the packed op, so the packing tests skip and the policy test
+checks that nothing is packed there."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tetriinfer.engine import onednn_packing
+from tetriinfer.engine.cpu_info import onednn_bf16_packing_supported
 from tetriinfer.engine.loader import load_model
 from tetriinfer.engine.models.layers import Linear
 from tetriinfer.engine.onednn_packing import onednn_packing_available, pack_linear_weights
@@ -21,6 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture
 def amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not onednn_bf16_packing_supported():
+        pytest.skip("no AVX-512 BW/VL/DQ or AVX-NE-CONVERT: oneDNN's bf16 reorder cannot run on this CPU")
     monkeypatch.setattr(onednn_packing, "cpu_has_amx", lambda: True)
     monkeypatch.delenv("TETRIINFER_ONEDNN_PACK", raising=False)
 
@@ -64,8 +69,12 @@ def test_packing_keeps_a_tied_lm_head_s_embedding_and_the_model_s_answers(amx: N
         assert pack_linear_weights(model, torch.bfloat16, "cpu") == 0  # once only
 
 
-def test_packing_is_off_for_fp32_without_amx_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packing_is_off_for_fp32_without_amx_or_the_bf16_reorder_and_when_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(onednn_packing, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(onednn_packing, "onednn_bf16_packing_supported", lambda: False)
+    assert not onednn_packing_available(torch.bfloat16, "cpu")  # an AVX2-only CPU: torch would refuse the reorder
+    monkeypatch.setattr(onednn_packing, "onednn_bf16_packing_supported", lambda: True)
     monkeypatch.delenv("TETRIINFER_ONEDNN_PACK", raising=False)
     assert onednn_packing_available(torch.bfloat16, "cpu")
     assert not onednn_packing_available(torch.float32, "cpu")

@@ -40,6 +40,15 @@ def isa_summary() -> str:
 
 
 @functools.cache
+def onednn_bf16_packing_supported() -> bool:
+    """Whether oneDNN can reorder bf16 weights into its packed layout on this CPU: torch refuses
+    ``mkldnn._reorder_linear_weight`` for bf16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (e.g. on AVX2-only CPUs).
+    Every AMX CPU has them."""
+    flags = cpu_flags()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
+@functools.cache
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX bf16 tile instructions (where torch's oneDNN bf16 kernels are tuned)."""
     return "amx_bf16" in cpu_flags()

@@ -9,7 +9,8 @@ load (``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's CPU freezin
 --packed``). The outputs are bit-identical to ``F.linear``'s on the same inputs (the same oneDNN kernel runs).
 
 Invariants:
-- Packing happens only for bf16 models on CPU, on CPUs with AMX, when torch was built with oneDNN and has the two
+- Packing happens only for bf16 models on CPU, on CPUs with AMX (which have the AVX-512 subsets oneDNN's bf16
+  reorder needs), when torch was built with oneDNN and has the two
   ops, and unless ``TETRIINFER_ONEDNN_PACK=0``. fp32 is never packed: the native fp32 kernels match the packed
   path there (measured at parity from 1 to 64 rows).
 - Every packed ``Linear`` computes all its matmuls on the packed weight, whatever the row count.
@@ -27,7 +28,7 @@ import os
 import torch
 from torch import nn
 
-from tetriinfer.engine.cpu_info import cpu_has_amx
+from tetriinfer.engine.cpu_info import cpu_has_amx, onednn_bf16_packing_supported
 
 # The batch size oneDNN is told when it picks the packed layout. One layout serves every row count: measured on an
 # AMX core, layouts picked for 16, 64 and 256 rows ran decode matmuls of 1 and 48 rows within 2% of each other;
@@ -40,6 +41,8 @@ def onednn_packing_available(dtype: torch.dtype, device: str | torch.device) -> 
     if os.environ.get("TETRIINFER_ONEDNN_PACK", "1") == "0":
         return False
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not cpu_has_amx():
+        return False
+    if not onednn_bf16_packing_supported():
         return False
     mkldnn_ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(mkldnn_ops, "_reorder_linear_weight")
