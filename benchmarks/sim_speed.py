@@ -18,6 +18,7 @@ KV pool from the device memory, the columns' ``serve`` defaults. Sections:
 Prints tables (and ratios against the baseline measured in the same run), writes JSON and a PNG plot:
 
     python benchmarks/sim_speed.py --baseline-ref main --out docs/sim/speed
+    python benchmarks/sim_speed.py --tree build/native --baseline-tree .   # compiled copy vs interpreted
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ def main() -> None:
     ap.add_argument("--sections", default="micro,trace,scale")
     ap.add_argument("--baseline-ref", default=None, help="git ref to compare against in the same run (e.g. main)")
     ap.add_argument("--baseline-tree", default=None, help="or a folder holding the baseline's tetriinfer/")
+    ap.add_argument("--tree", default=None,
+                    help="a folder holding the tetriinfer/ to measure as 'this tree' (default: this checkout), e.g. "
+                         "a compiled copy from scripts/build_native_sim.py (then --baseline-tree . compares it "
+                         "with the interpreted sources)")
     ap.add_argument("--trace-requests", type=int, default=19366)
     ap.add_argument("--baseline-trace-requests", type=int, default=None,
                     help="requests for the baseline's trace columns (default: --trace-requests)")
@@ -238,7 +243,8 @@ def main() -> None:
         unique = list(dict.fromkeys(keys))  # a point in two series is measured once
         done: dict[tuple[str, bool], dict[str, Any]] = {}
         with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as ex:
-            futures = {ex.submit(measure, json.loads(k), base if b and base is not None else ROOT, args.timeout):
+            tree = Path(args.tree).resolve() if args.tree else ROOT
+            futures = {ex.submit(measure, json.loads(k), base if b and base is not None else tree, args.timeout):
                        (k, b) for k, b in unique}
             for fut in tqdm(as_completed(futures), total=len(futures), desc="points", unit="point"):
                 done[futures[fut]] = fut.result()

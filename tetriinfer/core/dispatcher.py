@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tetriinfer.core.frozen import replace_fields
+from tetriinfer.core.frozen import python_class, replace_fields
 from tetriinfer.core.load import (
     DEFAULT_HEAVY_DECODE_TOKENS,
     LoadReport,
@@ -88,6 +88,7 @@ class DispatchDecision:
     choices: tuple[str, ...] = ()
 
 
+@python_class  # ``Dispatcher.charge`` derives views with ``__new__``
 class _DecodeView:
     """What ``choose`` derives from one decode-loads sequence, kept while the same sequence is passed again.
 

@@ -9,6 +9,11 @@ refusal to assign to a field after construction (the class's ``__setattr__`` is 
 Invariant: an instance built by the fast ``__init__`` is indistinguishable from one built by the generated
 one (same ``__dict__``, same validation); only classes without ``__slots__`` and without ``InitVar`` or
 ``init=False`` fields are accepted.
+
+Compiled builds (``scripts/build_native_sim.py``: the core and the simulator compiled with mypyc) turn these classes
+into native classes without an instance ``__dict__``, whose constructors are fast already: there ``fast_init``
+leaves the class as it is and ``replace_fields`` falls back to ``dataclasses.replace``. ``python_class`` marks a
+class that must stay an ordinary Python class in such a build (a no-op when interpreted).
 """
 
 from __future__ import annotations
@@ -18,9 +23,22 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # only a compiled build needs the marker (mypy_extensions comes with mypy)
+    mypyc_attr = None  # type: ignore[assignment]
+
+
+def python_class(cls: type[T]) -> type[T]:
+    """Keep ``cls`` an ordinary Python class when its module is compiled with mypyc (it builds instances with
+    ``__new__`` or subclasses a builtin type, which native classes do not allow); nothing otherwise."""
+    return cls if mypyc_attr is None else mypyc_attr(native_class=False)(cls)
+
 
 def fast_init(cls: type[T]) -> type[T]:
     """Give the frozen dataclass ``cls`` a ``__dict__``-writing ``__init__`` (see the module docstring)."""
+    if hasattr(cls, "__mypyc_attrs__"):  # a native class of a compiled build: its __init__ is fast already
+        return cls
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     if "__slots__" in cls.__dict__ or any(not f.init for f in fields):
         raise TypeError(f"{cls.__name__}: fast_init needs a dataclass without __slots__ or init=False fields")
@@ -45,11 +63,14 @@ def fast_init(cls: type[T]) -> type[T]:
     init = env["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__doc__ = cls.__init__.__doc__
-    cls.__init__ = init  # type: ignore[misc]
+    cls.__init__ = init  # type: ignore[misc,method-assign]
     return cls
 
 
 def replace_fields(obj: T, **changes: Any) -> T:
     """``dataclasses.replace`` for a ``fast_init`` class: a new instance with ``changes`` applied, validated again
     by its ``__post_init__`` (the instance ``__dict__`` holds exactly the fields, so no field list is walked)."""
-    return type(obj)(**{**obj.__dict__, **changes})
+    fields = getattr(obj, "__dict__", None)
+    if fields is None:  # a native class of a compiled build
+        return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+    return type(obj)(**{**fields, **changes})

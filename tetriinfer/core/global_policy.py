@@ -58,9 +58,11 @@ class Phase(enum.Enum):
     ABORTED = "aborted"
     FAILED = "failed"
 
-    def __init__(self, value: str) -> None:
-        # a plain attribute, set once per member (read per streamed token): finished, aborted or failed
-        self.terminal: bool = value in ("finished", "aborted", "failed")
+    terminal: bool  # a plain attribute, set once per member below (read per streamed token)
+
+
+for _phase in Phase:
+    _phase.terminal = _phase.value in ("finished", "aborted", "failed")
 
 
 @dataclass
@@ -310,9 +312,9 @@ class GlobalPolicy:
                 routed = self._routed.get(iid)
                 if routed is not None and iid in idx.horizon:
                     routed.prune(idx.horizon[iid])
-                r = reports.get(iid)
-                if r is not None:
-                    k = key[iid] = load_key(r, extra_tokens=0 if routed is None else routed.total)
+                rep = reports.get(iid)  # None: not among this index's candidates
+                if rep is not None:
+                    k = key[iid] = load_key(rep, extra_tokens=0 if routed is None else routed.total)
                     heapq.heappush(heap, (k, iid))
         heap, key = idx.heap, idx.key
         while heap and heap[0][0] != key[heap[0][1]]:

@@ -153,9 +153,16 @@ def restamped(report: LoadReport, now: float) -> LoadReport:
     """``report`` as built at ``now`` instead: equal to ``replace_fields(report, time=now)`` (``time`` is not
     validated, and every other field was when ``report`` was built), without the constructor's call and checks.
     For a reporter whose every other field is known unchanged (``SimInstance.monitor_report``)."""
+    fields = getattr(report, "__dict__", None)
+    if fields is None:  # a native class of a compiled build: its constructor is the fast way
+        r = report
+        return LoadReport(r.instance_id, r.role, r.state, now, r.num_queued, r.num_running, r.num_free_blocks,
+                          r.num_used_blocks, r.block_size, r.tokens_in_flight, r.num_heavy_decodes,
+                          r.num_light_decodes, r.utilization, r.num_prefill_tokens, r.step_inflation,
+                          r.num_waiting_blocks)
     new = object.__new__(LoadReport)
     d = new.__dict__
-    d.update(report.__dict__)
+    d.update(fields)
     d["time"] = now
     return new
 

@@ -25,10 +25,13 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_FAILED = "finished_failed"
 
-    def __init__(self, value: str) -> None:
-        # a plain attribute, set once per member (read per token: no property call, no enum hash);
-        # invariant: ``status.finished == (status in FINISHED_STATUSES)``
-        self.finished: bool = value.startswith("finished_")
+    # a plain attribute, set once per member below (read per token: no property call, no enum hash);
+    # invariant: ``status.finished == (status in FINISHED_STATUSES)``
+    finished: bool
+
+
+for _status in RequestStatus:
+    _status.finished = _status.value.startswith("finished_")
 
 
 FINISHED_STATUSES = frozenset({

@@ -31,6 +31,7 @@ from tetriinfer.bench.metrics import RequestRecord
 from tetriinfer.bench.workloads import Workload, WorkloadRequest
 from tetriinfer.core.dispatcher import DecodeViews
 from tetriinfer.core.flip_policy import FlipAction
+from tetriinfer.core.frozen import python_class
 from tetriinfer.core.global_policy import GlobalPolicy, LocalPrefillConfig, Phase
 from tetriinfer.core.kv_cache_manager import KVCacheManager
 from tetriinfer.core.load import InstanceState, LoadReport, Role, accepting
@@ -58,6 +59,7 @@ from tetriinfer.sim.link import Links
 PREDICTION_GRANULARITY = 200  # the paper's bucket width (runtime/predictor_hook.py)
 
 
+@python_class  # an exception: a builtin base
 class SimulationStuck(RuntimeError):
     """Requests are unfinished but no event is left to run (a scheduling deadlock)."""
 
@@ -198,7 +200,7 @@ class SimCluster:
         self.loads: list[LoadReport] = []
         self._rng = random.Random(c.seed)
         self._tracked: dict[str, _Tracked] = {}
-        self._records: dict[str, RequestRecord] = {}  # request id -> its record (the same as in ``_tracked``)
+        self._records: dict[str, Any] = {}  # RequestRecord, its token times in arrays; request id -> its record (the same as in ``_tracked``)
         self._unrouted: deque[str] = deque()
         self._backlog: deque[str] = deque()  # closed loop: not yet sent
         self._in_flight = 0
@@ -248,7 +250,7 @@ class SimCluster:
             if cfg.max_concurrency is not None:
                 self._backlog.append(wreq.request_id)
             else:
-                self.loop.at(wreq.arrival_s, lambda rid=wreq.request_id: self._arrive(rid))
+                self.loop.at(wreq.arrival_s, lambda rid=wreq.request_id: self._arrive(rid))  # type: ignore[misc]
             self._open += 1
         self._monitor()  # the first reports exist before anything is routed
         if cfg.max_concurrency is not None:
@@ -615,7 +617,7 @@ class SimCluster:
             evacuate = {r.instance_id for r in reports if r.state is not InstanceState.ACTIVE
                         and roles.get(r.instance_id) in MIGRATION_ROLES}
             for mig in self.migration.plan(reports, roles, evacuate):
-                self.instances[mig.source].at_step_boundary(lambda mig=mig: self._migrate(mig))
+                self.instances[mig.source].at_step_boundary(lambda mig=mig: self._migrate(mig))  # type: ignore[misc]
         decode_loads = [r for r in reports if r.role is Role.DECODE]
         prefill_ids = tuple(r.instance_id for r in accepting(reports, Role.PREFILL))
         kicked: list[SimInstance] = []

@@ -107,10 +107,10 @@ class ProfileCostModel:
         return cls(_envelope(pre), _envelope(dec), step_overhead_s, ", ".join(sources))
 
     def prefill_seconds(self, num_tokens: int) -> float:
-        return _interp(*self._prefill_xy, float(num_tokens))  # type: ignore[attr-defined]
+        return _interp(*self._prefill_xy, float(num_tokens))  # type: ignore[attr-defined,call-arg]
 
     def decode_seconds(self, batch: int) -> float:
-        return _interp(*self._decode_xy, float(batch))  # type: ignore[attr-defined]
+        return _interp(*self._decode_xy, float(batch))  # type: ignore[attr-defined,call-arg]
 
     def step_seconds(self, out: SchedulerOutput) -> float:
         if out.is_empty:

@@ -66,7 +66,7 @@ class EventLoop:
         if when < self.now:
             raise ValueError(f"cannot schedule at {when} before now={self.now}")
         t = Timer(fn)
-        heapq.heappush(self._heap, (when, place, t))
+        heapq.heappush(self._heap, (when, place, t))  # type: ignore[misc]
         return t
 
     @property

@@ -549,7 +549,7 @@ class SimInstance:
             return min(1.0, 0.0 / interval_s)
         now = self.host.loop.now
         lo = now - interval_s
-        busy = 0
+        busy = 0.0
         kept = []
         for start, end in spans:  # the same terms, added in the same order as ``sum`` over them
             part = (end if end < now else now) - (start if start > lo else lo)  # min(end, now) - max(start, lo)
@@ -908,7 +908,7 @@ class SimDecode(SimInstance):
         self.pending: deque[Handoff] = deque()
         self.local_pending: deque[Request] = deque()  # conditional disaggregation: prefilled here
         self.receiving: set[str] = set()
-        self.inflation: StepInflation = StepInflation()
+        self.inflation = StepInflation()
 
     def steady_scheduler(self) -> DecodeScheduler | None:
         return None if self.pending or self.local_pending else self.scheduler
@@ -944,7 +944,7 @@ class SimDecode(SimInstance):
             if h.early:  # chunk-wise: the prefill instance sends as its chunks end
                 self.host.stream_ready(h.prefill_id, rid)
             else:
-                self.host.transfer(h.prefill_id, self.iid, rid, h.num_blocks, lambda rid=rid: self.kv_arrived(rid))
+                self.host.transfer(h.prefill_id, self.iid, rid, h.num_blocks, lambda rid=rid: self.kv_arrived(rid))  # type: ignore[misc]
 
     def kv_arrived(self, rid: str) -> None:
         self.interrupt()
@@ -994,7 +994,7 @@ class SimDecode(SimInstance):
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         if out.is_decode_only:  # as the runtime's decode worker; the cost model also prices its batch-1 version
             one_s = self.one_row.get(out.segments[0], out.num_padding_tokens)  # priced once per context length
-            self.inflation.observe(len(out.segments), self.step_seconds, one_s)
+            self.inflation.observe(len(out.segments), self.step_seconds, one_s)  # type: ignore[union-attr]
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
         if upd.finished and (self.pending or self.local_pending):
@@ -1006,7 +1006,7 @@ class SimDecode(SimInstance):
         pending, local = self.pending, self.local_pending
         # Nothing waits for admission (the usual case): ``decode_instance_report(rep, 0, 0, inflation, 0)`` is the
         # scheduler's report with the inflation attached, which the scheduler builds in one go.
-        infl = 0.0 if pending or local else self.inflation.take()
+        infl = 0.0 if pending or local else self.inflation.take()  # type: ignore[union-attr]
         if run is None:
             rep = self.scheduler.load_report(self.iid, now, utilization, self.state, step_inflation=infl)
         else:  # read ahead: the scheduler moves on at the run's next change or end (``sync``), not per report
@@ -1018,7 +1018,7 @@ class SimDecode(SimInstance):
         waiting_blocks = (sum(blocks(h.request.num_tokens) for h in pending)
                           + sum(blocks(r.num_prompt_tokens + 1) for r in local))
         return decode_instance_report(rep, len(pending) + len(local),
-                                      sum(r.num_prompt_tokens for r in local), self.inflation.take(),
+                                      sum(r.num_prompt_tokens for r in local), self.inflation.take(),  # type: ignore[union-attr]
                                       waiting_blocks)
 
 
@@ -1033,7 +1033,7 @@ class SimColocated(SimInstance):
                                      max_num_seqs=pol.max_num_seqs, max_model_len=pol.max_model_len),
             kv,
         )
-        self.inflation: StepInflation = StepInflation()
+        self.inflation = StepInflation()
 
     def add(self, req: Request) -> None:
         self.interrupt()
@@ -1056,14 +1056,14 @@ class SimColocated(SimInstance):
     def end_step(self, out: SchedulerOutput, result: StepResult) -> None:
         rows = decode_segments(out)
         one = self.one_row.get(rows[0]) if rows else None  # a one-row decode step, priced once per context
-        self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one,
+        self.inflation.observe_colocated(out, self.step_seconds, self.scheduler.running, one,  # type: ignore[union-attr]
                                          rows=len(rows))  # as the runtime
         upd = self.scheduler.update(out, result)
         self.host.on_tokens(upd.new_tokens, upd.finished)
 
     def report(self, now: float, utilization: float) -> LoadReport:
         run = self._sync_books()
-        infl = self.inflation.take()
+        infl = self.inflation.take()  # type: ignore[union-attr]
         if run is None:
             return colocated_load_report(self.scheduler, self.iid, now, utilization, self.state, step_inflation=infl)
         # read ahead, as ``SimDecode.report``

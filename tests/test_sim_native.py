@@ -1,0 +1,68 @@
+"""The compiled copy of the core and simulator (``scripts/build_native_sim.py``, mypyc) computes the same numbers
+as the interpreted sources: the golden simulation (``test_sim_golden``) run from the compiled copy gives the golden
+file byte for byte, with the native modules loaded (not their ``.py`` sources).
+
+Building takes several minutes (mypy type-checks the package); it needs mypy and a C compiler, both installed by
+the dev extras and present on the CI machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+if importlib.util.find_spec("mypyc") is None:  # pragma: no cover - the dev extras install mypy
+    pytest.fail("mypy (with mypyc) is needed: pip install -e '.[dev]'", pytrace=False)
+
+CHECK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])  # the tests folder: test_sim_golden's run
+import tetriinfer.core.decode_scheduler as ds, tetriinfer.core.load as load, tetriinfer.sim.cluster as cluster
+from test_sim_golden import golden_json
+modules = {m.__name__: m.__file__ for m in (ds, load, cluster)}
+print(json.dumps({"modules": modules, "golden": golden_json()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def native_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import build_native_sim
+    finally:
+        sys.path.pop(0)
+    out = tmp_path_factory.mktemp("native")
+    names = build_native_sim.build(out)
+    assert "tetriinfer.core.load" in names and "tetriinfer.sim.cluster" in names
+    return out
+
+
+def test_compiled_copy_reproduces_the_golden_simulation_byte_for_byte(native_copy: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(native_copy)}
+    proc = subprocess.run([sys.executable, "-c", CHECK, str(ROOT / "tests")], env=env, cwd=native_copy,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, path in out["modules"].items():  # the native modules ran, from the copy
+        assert path.startswith(str(native_copy)) and path.endswith(".so"), (name, path)
+    golden = (ROOT / "tests" / "fixtures" / "sim_golden.json").read_text(encoding="utf-8")
+    assert out["golden"] == golden
+
+
+def test_build_refuses_to_write_over_the_sources() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import build_native_sim
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(ValueError, match="sources"):
+        build_native_sim.build(ROOT)
+    with pytest.raises(ValueError, match="sources"):
+        build_native_sim.build(ROOT / "tetriinfer" / "native")
