@@ -7,12 +7,14 @@ the dev extras and present on the CI machine."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -31,15 +33,19 @@ print(json.dumps({"modules": modules, "golden": golden_json()}))
 """
 
 
-@pytest.fixture(scope="module")
-def native_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def build_script() -> ModuleType:
+    """``scripts/build_native_sim.py`` as a module."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import build_native_sim
+        return importlib.import_module("build_native_sim")
     finally:
         sys.path.pop(0)
+
+
+@pytest.fixture(scope="module")
+def native_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("native")
-    names = build_native_sim.build(out)
+    names = build_script().build(out)
     assert "tetriinfer.core.load" in names and "tetriinfer.sim.cluster" in names
     return out
 
@@ -57,11 +63,7 @@ def test_compiled_copy_reproduces_the_golden_simulation_byte_for_byte(native_cop
 
 
 def test_build_refuses_to_write_over_the_sources() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import build_native_sim
-    finally:
-        sys.path.pop(0)
+    build_native_sim = build_script()
     with pytest.raises(ValueError, match="sources"):
         build_native_sim.build(ROOT)
     with pytest.raises(ValueError, match="sources"):
