@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 from tqdm.auto import tqdm
 
 from tetriinfer.bench import side_by_side as sbs
@@ -47,18 +48,8 @@ def schedstat(pid: int) -> tuple[float, float]:
 
 
 def frontend_pid(url: str) -> int:
-    """The ``tetriinfer serve`` process listening on ``url``'s port (its /cluster does not list itself)."""
-    port = url.rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in cmd and b"--port" in cmd and cmd[cmd.index(b"--port") + 1] == port.encode():
-            return int(entry.name)
-    raise RuntimeError(f"no serve process on port {port}")
+    """The ``tetriinfer serve`` process behind ``url`` (``/cluster`` names it; the instances list their own)."""
+    return int(httpx.get(f"{url}/cluster", timeout=10).json()["frontend_pid"])
 
 
 # who gets a higher priority: nobody, the instances (nice), front end + instances (nice), the prefill instance

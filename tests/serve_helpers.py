@@ -7,34 +7,54 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from tetriinfer.net import free_loopback_port as free_port
+from tetriinfer.net import announced_base_url
 
 
 class ServeProcess:
     def __init__(self, model: Path, *args: str, startup_s: float = 240.0, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", str(model), "--port", str(self.port),
+        """``tetriinfer serve`` on a port it picks itself (``--port 0``, read back from its start-up line: no port
+        can be taken between choosing and binding it); returns once ``/health`` answers. Its output is read all
+        along by a thread (a full pipe would stall the server); ``output()`` returns it."""
+        cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", str(model), "--port", "0",
                "--kv-cache-memory-gb", "0.25", *args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read_output, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + startup_s
+        base_url = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited early:\n{self.proc.stdout.read()}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+                self._reader.join(timeout=10)
+                raise RuntimeError(f"serve exited early:\n{self.output()}")
+            base_url = base_url or announced_base_url(self.output())
+            if base_url is not None:
+                try:
+                    if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                        self.base_url = base_url
+                        self.port = int(base_url.rsplit(":", 1)[1])
+                        return
+                except httpx.HTTPError:
+                    pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError("serve did not become healthy in time")
+        raise RuntimeError(f"serve did not become healthy in time:\n{self.output()}")
+
+    def _read_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.append(line)
+
+    def output(self) -> str:
+        """Everything the server printed so far (all of it once ``stop()`` returned)."""
+        return "".join(self._lines)
 
     def cluster(self) -> dict:
         return httpx.get(f"{self.base_url}/cluster", timeout=10).json()
@@ -72,6 +92,7 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(timeout=10)
         return self.proc.returncode
 
 

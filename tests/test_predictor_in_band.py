@@ -118,4 +118,4 @@ def test_server_predicts_in_band_and_every_request_completes(last_token_predicto
     finally:
         assert srv.stop() == 0
     # the start-up lines say which predictor serves
-    assert f"length predictor: {last_token_predictor} (--predictor-mode auto)" in srv.proc.stdout.read()  # type: ignore[union-attr]
+    assert f"length predictor: {last_token_predictor} (--predictor-mode auto)" in srv.output()

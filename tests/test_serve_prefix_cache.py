@@ -40,7 +40,7 @@ def server(request, tiny_llama):
     assert srv.stop() == 0
     # the start-up lines name the length predictor where one can serve (the disaggregated modes): none here,
     # since the shipped predictor fits only the model it was trained with
-    startup = srv.proc.stdout.read()  # type: ignore[union-attr]
+    startup = srv.output()
     assert ("length predictor: none" in startup) == request.param.startswith("tetriinfer"), startup
 
 

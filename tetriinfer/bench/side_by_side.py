@@ -66,7 +66,7 @@ from tetriinfer.bench.workloads import (
     load_workload,
     workload_summary_line,
 )
-from tetriinfer.net import free_loopback_port
+from tetriinfer.net import announced_base_url
 from tetriinfer.runtime.priority import parse_cores
 
 BASELINE = "colocated"
@@ -690,33 +690,37 @@ def wait_idle(base_url: str, timeout_s: float = 120.0, settle_s: float = 0.35) -
 
 @contextmanager
 def serve(model: str, mode: str, args: Sequence[str], startup_timeout_s: float, poll_s: float = 0.5) -> Iterator[str]:
-    """Start ``tetriinfer serve`` in ``mode`` on a free port; yield its base URL once ``/health`` answers (checked
-    every ``poll_s``); stop it (SIGINT, then kill)."""
-    port = free_loopback_port()
-    cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", model, "--mode", mode,
-           "--port", str(port), *args]
+    """Start ``tetriinfer serve`` in ``mode`` on a port it picks itself (``--port 0``: nothing can take the port
+    between choosing and binding it); yield its base URL, read from its start-up line, once ``/health`` answers
+    (checked every ``poll_s``); stop it (SIGINT, then kill)."""
+    cmd = [sys.executable, "-m", "tetriinfer.cli", "serve", "--model", model, "--mode", mode, "--port", "0", *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"side_by_side_{mode}_", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    base_url = f"http://127.0.0.1:{port}"
+    base_url: str | None = None
+
+    def text() -> str:
+        log.flush()
+        return Path(log.name).read_text(encoding="utf-8", errors="replace")
 
     def tail() -> str:
-        log.flush()
-        return Path(log.name).read_text(encoding="utf-8", errors="replace")[-3000:]
+        return text()[-3000:]
 
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"tetriinfer serve ({mode}) exited with {proc.returncode}:\n{tail()}")
+            base_url = base_url or announced_base_url(text())
             try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                if base_url is not None and httpx.get(base_url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tetriinfer serve ({mode}) not healthy after {startup_timeout_s} s:\n{tail()}")
             time.sleep(poll_s)
+        assert base_url is not None
         yield base_url
     finally:
         if proc.poll() is None:

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -783,7 +784,7 @@ def build_app(
 
     @app.get("/cluster")
     async def cluster() -> dict[str, Any]:
-        return client.cluster_info()
+        return {**client.cluster_info(), "frontend_pid": os.getpid()}  # the instances list their own pids
 
     @app.post("/cluster/instances")
     async def add_instance(body: AddInstanceRequest) -> dict[str, Any]:

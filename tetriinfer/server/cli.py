@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from tetriinfer.net import url_host
 from tetriinfer.runtime.cluster_config import MODES, ClusterConfig
 from tetriinfer.runtime.predictor_hook import PREDICTOR_MODES
 
@@ -334,6 +336,8 @@ def _serve(args: argparse.Namespace) -> int:
     if rt is not None:
         take_realtime()
     limits = limits_from_args(args)
+    listener = _listen(args.host, args.port)  # before any instance starts: nothing they open can take this port
+    port = int(listener.getsockname()[1])
     client, name = build_client(args, layout)
     app = build_app(client, served_model_name=name, api_key=args.api_key, limits=limits,
                     after_start=after_start if rt is not None or frontend_cores is not None else None)
@@ -344,14 +348,27 @@ def _serve(args: argparse.Namespace) -> int:
         desc += f" ({args.prefill_instances} prefill + {args.decode_instances} decode instances)"
     elif args.mode != "single":
         desc += f" ({args.instances} instances)"
-    print(f"TetriInfer serving {name!r} in mode {desc} at http://{args.host}:{args.port}/v1", flush=True)
+    print(f"TetriInfer serving {name!r} in mode {desc} at http://{url_host(args.host)}:{port}/v1", flush=True)
     config = getattr(client, "config", None)  # a ClusterConfig for cluster modes, an EngineConfig in mode single
     if isinstance(config, ClusterConfig) and config.disaggregated:
         predictor = config.role_policies().predictor
         print(f"  length predictor: {predictor}" + (f" (--predictor-mode {config.predictor_mode})"
                                                     if predictor != "none" else ""), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it stopped on, once it stopped
+        server.run(sockets=[listener])
     return 0
+
+
+def _listen(host: str, port: int) -> Any:
+    """The API's listening socket; a port that cannot be bound is a clear error (exit 2), not a traceback."""
+    from tetriinfer.net import bind_listener
+
+    try:
+        return bind_listener(host, port)
+    except OSError as exc:
+        raise ValueError(str(exc.strerror)) from exc
 
 
 def add_subparsers(subparsers: Any) -> None:
@@ -359,7 +376,8 @@ def add_subparsers(subparsers: Any) -> None:
     groups = add_cluster_args(p)
     api = p.add_argument_group("API and security")
     api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--port", type=int, default=8000,
+                     help="0: a free port chosen at start (the start-up line names it)")
     api.add_argument("--api-key", default=None, help="require this bearer token on every /v1 request")
     groups["observability"].add_argument("--log-level", default="warning")
     add_limit_args(p)
