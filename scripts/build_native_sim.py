@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -30,15 +31,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The modules the simulator spends its time in: every core module and the simulator's event loop, cluster and
-# instances. The cost models and links stay interpreted (dataclass fields without __init__ values, attributes set
-# with object.__setattr__), as does everything outside the simulator.
+# The modules the simulator spends its time in: every core module and the simulator's event loop, cluster,
+# instances, cost models and links. Everything outside the simulator stays interpreted.
 NATIVE_MODULES = (
     *(f"tetriinfer/core/{p.name}" for p in sorted((ROOT / "tetriinfer" / "core").glob("*.py"))
       if p.name != "__init__.py"),
     "tetriinfer/sim/cluster.py",
     "tetriinfer/sim/instances.py",
     "tetriinfer/sim/events.py",
+    "tetriinfer/sim/cost_model.py",
+    "tetriinfer/sim/link.py",
 )
 
 
@@ -67,6 +69,10 @@ def build(out: Path, quiet: bool = False) -> list[str]:
         raise RuntimeError(f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     shutil.rmtree(out / "build", ignore_errors=True)
     names = [m.removesuffix(".py").replace("/", ".") for m in NATIVE_MODULES]
+    # where the copy came from: it reads the checkout's shared data (``bench.workloads.shared_data_dir``)
+    (out / "tetriinfer" / "NATIVE_BUILD.json").write_text(json.dumps(
+        {"source_root": str(ROOT), "modules": names, "built": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+        indent=1) + "\n")
     missing = [n for n in names if not list((out / Path(*n.split(".")[:-1])).glob(n.split(".")[-1] + ".*.so"))]
     if missing:
         raise RuntimeError(f"mypyc finished but these modules were not built: {missing}")

@@ -27,9 +27,11 @@ CHECK = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])  # the tests folder: test_sim_golden's run
 import tetriinfer.core.decode_scheduler as ds, tetriinfer.core.load as load, tetriinfer.sim.cluster as cluster
+import tetriinfer.sim.cost_model as cost_model, tetriinfer.sim.link as link
+from tetriinfer.bench.workloads import shared_data_dir
 from test_sim_golden import golden_json
-modules = {m.__name__: m.__file__ for m in (ds, load, cluster)}
-print(json.dumps({"modules": modules, "golden": golden_json()}))
+modules = {m.__name__: m.__file__ for m in (ds, load, cluster, cost_model, link)}
+print(json.dumps({"modules": modules, "golden": golden_json(), "data": str(shared_data_dir())}))
 """
 
 
@@ -60,6 +62,26 @@ def test_compiled_copy_reproduces_the_golden_simulation_byte_for_byte(native_cop
         assert path.startswith(str(native_copy)) and path.endswith(".so"), (name, path)
     golden = (ROOT / "tests" / "fixtures" / "sim_golden.json").read_text(encoding="utf-8")
     assert out["golden"] == golden
+    assert out["data"] == str(ROOT.parent / "shared" / "data")  # a copy elsewhere reads the checkout's data
+
+
+SIDE_BY_SIDE = ["-m", "tetriinfer.cli", "sim", "side-by-side", "--cost", "roofline:a100-80g", "--model", "llama-2-13b",
+                "--instances", "4", "-n", "60", "--no-floor", "--workloads", "lphd,mixed", "--rate-fraction", "0.7",
+                "--modes", "tetriinfer,colocated", "--jobs", "2", "--no-progress"]
+
+
+def test_compiled_copy_runs_columns_in_worker_processes_with_the_same_results(native_copy: Path,
+                                                                               tmp_path: Path) -> None:
+    """``--jobs 2`` sends the cost model to worker processes: the compiled (native) cost model pickles, and the
+    columns come back as the interpreted sources compute them."""
+    results = {}
+    for name, tree in (("native", native_copy), ("sources", ROOT)):
+        out = tmp_path / f"{name}.json"
+        proc = subprocess.run([sys.executable, *SIDE_BY_SIDE, "--out", str(out)], cwd=tmp_path, timeout=900,
+                              env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = json.loads(out.read_text())
+    assert results["native"]["workloads"] == results["sources"]["workloads"]
 
 
 def test_build_refuses_to_write_over_the_sources() -> None:

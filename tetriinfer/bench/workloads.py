@@ -148,11 +148,18 @@ def load_trace(path: str | os.PathLike[str]) -> tuple[TraceRow, ...]:
 
 
 def shared_data_dir() -> Path:
-    """``$TETRIINFER_DATA_DIR`` if set, else ``<project root>/../shared/data`` (may not exist)."""
+    """``$TETRIINFER_DATA_DIR`` if set, else ``<project root>/../shared/data`` (may not exist). In a compiled copy
+    (``scripts/build_native_sim.py``) the project root is the checkout it was built from, named in the copy's
+    ``tetriinfer/NATIVE_BUILD.json``, so a copy anywhere reads the same data as its sources."""
     env = os.environ.get("TETRIINFER_DATA_DIR")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    package = Path(__file__).resolve().parents[1]
+    root = package.parent
+    marker = package / "NATIVE_BUILD.json"
+    if marker.is_file():
+        root = Path(json.loads(marker.read_text())["source_root"])
+    return root.parent / "shared" / "data"
 
 
 def default_length_source() -> Path:

@@ -164,6 +164,34 @@ class _Tracked:
     prompt_token_ids: list[int] | None = None  # made once, at arrival
 
 
+class _ArrivalFeed:
+    """A workload's arrivals, put on the event loop one at a time: each enters the heap when the one before it
+    runs, at the place in the event order it reserved when the run began. So the events run in exactly the order
+    they would if every arrival were scheduled at the start (the next arrival is always in the heap before any
+    event it precedes could run), while the heap holds what is in flight rather than the whole workload (a million
+    pending arrivals made every push and pop of a run slower, and each held a callback)."""
+
+    def __init__(self, loop: EventLoop, arrivals: list[tuple[float, int, str]], arrive: Callable[[str], None]) -> None:
+        arrivals.sort()  # by (when, place): the order the loop runs them in (places are unique)
+        self._arrivals = arrivals
+        self._next = 0
+        self._loop = loop
+        self._arrive = arrive
+
+    def start(self) -> None:
+        if self._arrivals:
+            when, place, _ = self._arrivals[0]
+            self._loop.at_reserved(when, place, self)
+
+    def __call__(self) -> None:
+        arrivals, i = self._arrivals, self._next
+        self._next = i + 1
+        if i + 1 < len(arrivals):
+            when, place, _ = arrivals[i + 1]
+            self._loop.at_reserved(when, place, self)
+        self._arrive(arrivals[i][2])
+
+
 class SimCluster:
     """One simulated run of one workload on one cluster layout. ``run()`` once."""
 
@@ -237,6 +265,7 @@ class SimCluster:
     # ---- running --------------------------------------------------------------------------
     def run(self, workload: Workload) -> SimResult:
         cfg = self.config
+        arrivals: list[tuple[float, int, str]] = []  # (when, place in the event order, request id)
         for wreq in workload.requests:
             # token times as packed doubles (8 bytes a token, not a list of float objects: a million requests'
             # records fit in memory); they read, compare and serialize (to_dict) as the lists the client fills
@@ -250,8 +279,9 @@ class SimCluster:
             if cfg.max_concurrency is not None:
                 self._backlog.append(wreq.request_id)
             else:
-                self.loop.at(wreq.arrival_s, lambda rid=wreq.request_id: self._arrive(rid))  # type: ignore[misc]
+                arrivals.append((wreq.arrival_s, self.loop.reserve(), wreq.request_id))
             self._open += 1
+        _ArrivalFeed(self.loop, arrivals, self._arrive).start()
         self._monitor()  # the first reports exist before anything is routed
         if cfg.max_concurrency is not None:
             self._fill_closed_loop()

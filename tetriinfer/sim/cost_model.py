@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,6 +46,14 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def _reduce_by_init_fields(obj: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``__reduce__`` of a frozen dataclass with derived ``init=False`` fields: rebuilt from its constructor
+    arguments (its ``__post_init__`` derives the rest again), so it pickles the same whether the class is an
+    ordinary one or a native class of a compiled build (``scripts/build_native_sim.py``), which cannot restore a
+    frozen instance attribute by attribute."""
+    return type(obj), tuple(getattr(obj, f.name) for f in fields(obj) if f.init)
+
+
 def _envelope(points: dict[int, float]) -> tuple[tuple[int, float], ...]:
     """Sorted (size, seconds) with each time capped by every larger size's time (non-decreasing)."""
     out: list[tuple[int, float]] = []
@@ -64,6 +72,9 @@ class ProfileCostModel:
     decode: tuple[tuple[int, float], ...]
     step_overhead_s: float = 0.0
     source: str = ""
+    # derived in __post_init__: the curves as (sizes, seconds) float lists (step_seconds runs for every step)
+    _prefill_xy: tuple[list[float], list[float]] = field(init=False, repr=False, compare=False)
+    _decode_xy: tuple[list[float], list[float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -75,10 +86,11 @@ class ProfileCostModel:
                 raise ValueError(f"{name} points must have distinct increasing sizes >= 1 and seconds > 0")
         if self.step_overhead_s < 0:
             raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
-        # the curves as float lists, built once (step_seconds runs for every simulated step)
-        for name in ("prefill", "decode"):
-            pts = getattr(self, name)
-            object.__setattr__(self, f"_{name}_xy", ([float(x) for x, _ in pts], [y for _, y in pts]))
+        object.__setattr__(self, "_prefill_xy", ([float(x) for x, _ in self.prefill], [y for _, y in self.prefill]))
+        object.__setattr__(self, "_decode_xy", ([float(x) for x, _ in self.decode], [y for _, y in self.decode]))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce_by_init_fields(self)
 
     @classmethod
     def from_profile(cls, profile: dict[str, Any] | str | Path | list[dict[str, Any] | str | Path],
@@ -107,10 +119,12 @@ class ProfileCostModel:
         return cls(_envelope(pre), _envelope(dec), step_overhead_s, ", ".join(sources))
 
     def prefill_seconds(self, num_tokens: int) -> float:
-        return _interp(*self._prefill_xy, float(num_tokens))  # type: ignore[attr-defined,call-arg]
+        xs, ys = self._prefill_xy
+        return _interp(xs, ys, float(num_tokens))
 
     def decode_seconds(self, batch: int) -> float:
-        return _interp(*self._decode_xy, float(batch))  # type: ignore[attr-defined,call-arg]
+        xs, ys = self._decode_xy
+        return _interp(xs, ys, float(batch))
 
     def step_seconds(self, out: SchedulerOutput) -> float:
         if out.is_empty:
@@ -146,6 +160,9 @@ class Hardware:
         if not (self.peak_flops > 0 and self.mem_bandwidth_Bps > 0 and self.memory_bytes > 0):
             raise ValueError(f"hardware {self.name!r}: peak_flops, mem_bandwidth_Bps and memory_bytes must be > 0")
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce_by_init_fields(self)
+
 
 GIB = 1024**3
 # Datasheet dense fp16/bf16 tensor-core peaks and HBM bandwidths.
@@ -172,6 +189,15 @@ class RooflineCostModel:
     mbu: float = 0.7  # achieved / peak bandwidth on memory-bound parts (assumption)
     step_overhead_s: float = 0.003  # scheduling + launch per step (assumption)
     tensor_parallel: int = 1
+    # derived in __post_init__: the constants of every step's arithmetic (step_seconds runs for every step)
+    _peak: float = field(init=False, repr=False, compare=False)  # FLOP/s achieved, all TP ranks
+    _bw: float = field(init=False, repr=False, compare=False)  # bytes/s achieved, all TP ranks
+    _linear_flops: float = field(init=False, repr=False, compare=False)  # per token
+    _linear_read_s: float = field(init=False, repr=False, compare=False)  # per step
+    _head_flops: float = field(init=False, repr=False, compare=False)  # per sampled row
+    _head_read_s: float = field(init=False, repr=False, compare=False)  # per step
+    _attn_flops: float = field(init=False, repr=False, compare=False)  # per (query token x context token)
+    _kv_per_token: int = field(init=False, repr=False, compare=False)  # K and V bytes of one token
 
     def __post_init__(self) -> None:
         if self.dtype_bytes not in (1, 2, 4):
@@ -189,12 +215,18 @@ class RooflineCostModel:
         layer = m.num_params() - lm_head * (1 if m.tie_word_embeddings else 2)
         peak = self.hardware.peak_flops * self.mfu * tp
         bw = self.hardware.mem_bandwidth_Bps * self.mbu * tp
-        consts = {"_peak": peak, "_bw": bw, "_linear_flops": 2.0 * layer, "_linear_read_s": layer * self.dtype_bytes / bw,
-                  "_head_flops": 2.0 * lm_head, "_head_read_s": lm_head * self.dtype_bytes / bw,
-                  "_attn_flops": 4.0 * m.num_layers * (m.num_heads * m.head_dim),
-                  "_kv_per_token": kv_bytes_per_token(m, self.dtype_bytes)}
-        for name, value in consts.items():
-            object.__setattr__(self, name, value)
+        set_const = object.__setattr__
+        set_const(self, "_peak", peak)
+        set_const(self, "_bw", bw)
+        set_const(self, "_linear_flops", 2.0 * layer)
+        set_const(self, "_linear_read_s", layer * self.dtype_bytes / bw)
+        set_const(self, "_head_flops", 2.0 * lm_head)
+        set_const(self, "_head_read_s", lm_head * self.dtype_bytes / bw)
+        set_const(self, "_attn_flops", 4.0 * m.num_layers * (m.num_heads * m.head_dim))
+        set_const(self, "_kv_per_token", kv_bytes_per_token(m, self.dtype_bytes))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _reduce_by_init_fields(self)
 
     @property
     def lm_head_params(self) -> int:
@@ -227,9 +259,9 @@ class RooflineCostModel:
         segments = out.segments
         if not segments:
             return 0.0
-        peak = self._peak  # type: ignore[attr-defined]
-        per_token = self._kv_per_token  # type: ignore[attr-defined]
-        attn_c = self._attn_flops  # type: ignore[attr-defined]
+        peak = self._peak
+        per_token = self._kv_per_token
+        attn_c = self._attn_flops
         tokens = sampled = 0
         attn_flops = 0.0
         kv_read = 0.0
@@ -241,9 +273,9 @@ class RooflineCostModel:
             attn_flops += attn_c * q * (start + (q + 1) / 2.0)  # QK^T and PV, causal
             kv_read += (start + q) * per_token
         tokens += out.num_padding_tokens
-        linear = max(self._linear_flops * tokens / peak, self._linear_read_s)  # type: ignore[attr-defined]
-        head = max(self._head_flops * sampled / peak, self._head_read_s)  # type: ignore[attr-defined]
-        attn = max(attn_flops / peak, (kv_read + tokens * per_token) / self._bw)  # type: ignore[attr-defined]
+        linear = max(self._linear_flops * tokens / peak, self._linear_read_s)
+        head = max(self._head_flops * sampled / peak, self._head_read_s)
+        attn = max(attn_flops / peak, (kv_read + tokens * per_token) / self._bw)
         return linear + head + attn + self.step_overhead_s
 
     def decode_run_seconds(self, context_sum: int, rows: int, steps: int) -> list[float] | None:
@@ -255,11 +287,11 @@ class RooflineCostModel:
         constant is not an integer): then only ``step_seconds`` gives the exact float."""
         if not self.decode_run_exact(context_sum, rows, steps):
             return None
-        peak, bw = self._peak, self._bw  # type: ignore[attr-defined]
-        per_token, attn_c = self._kv_per_token, self._attn_flops  # type: ignore[attr-defined]
+        peak, bw = self._peak, self._bw
+        per_token, attn_c = self._kv_per_token, self._attn_flops
         last = context_sum + rows * (steps - 1)
-        linear = max(self._linear_flops * rows / peak, self._linear_read_s)  # type: ignore[attr-defined]
-        head = max(self._head_flops * rows / peak, self._head_read_s)  # type: ignore[attr-defined]
+        linear = max(self._linear_flops * rows / peak, self._linear_read_s)
+        head = max(self._head_flops * rows / peak, self._head_read_s)
         overhead, tail = self.step_overhead_s, rows * per_token
         base = linear + head  # ``linear + head + attn + overhead`` adds left to right: this sum comes first
         # attn = max(attn_c * ctx / peak, (ctx * KV bytes + tail) / bw) per step; the integer sums are below 2**53,
@@ -274,7 +306,7 @@ class RooflineCostModel:
     def decode_run_exact(self, context_sum: int, rows: int, steps: int) -> bool:
         """Whether ``decode_run_seconds(context_sum, rows, steps)`` prices the run (bit for bit) rather than
         returning None: every sum it takes stays below 2**53. True for any shorter run or chunk of it."""
-        per_token, attn_c = self._kv_per_token, self._attn_flops  # type: ignore[attr-defined]
+        per_token, attn_c = self._kv_per_token, self._attn_flops
         last = context_sum + rows * (steps - 1)
         return attn_c.is_integer() and attn_c * last < 2.0**53 and (last + rows) * per_token < 2**53
 

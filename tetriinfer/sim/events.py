@@ -63,11 +63,15 @@ class EventLoop:
 
     def timer_reserved(self, when: float, place: int, fn: Callable[[], None]) -> Timer:
         """``timer`` in the order ``place`` (from ``reserve``) holds."""
+        t = Timer(fn)
+        self.at_reserved(when, place, t)
+        return t
+
+    def at_reserved(self, when: float, place: int, fn: Callable[[], None]) -> None:
+        """``at`` in the order ``place`` (from ``reserve``) holds (the caller's duty as for ``timer_reserved``)."""
         if when < self.now:
             raise ValueError(f"cannot schedule at {when} before now={self.now}")
-        t = Timer(fn)
-        heapq.heappush(self._heap, (when, place, t))  # type: ignore[misc]
-        return t
+        heapq.heappush(self._heap, (when, place, fn))
 
     @property
     def pending(self) -> int:

@@ -16,15 +16,19 @@ from tetriinfer.units import parse_bandwidth, parse_duration
 class Links:
     bandwidth: str | float = "200Gbps"
     latency: str | float = 0.0
+    # set in __post_init__ (not as field defaults: a compiled build's native class would leave them unset)
     bandwidth_Bps: float = field(init=False)
     latency_s: float = field(init=False)
-    _free_at: dict[tuple[str, str], float] = field(default_factory=dict, init=False)
-    bytes_sent: int = field(default=0, init=False)
-    busy_s: float = field(default=0.0, init=False)
+    _free_at: dict[tuple[str, str], float] = field(init=False)  # (src, dst) -> when that link is next free
+    bytes_sent: int = field(init=False)
+    busy_s: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.bandwidth_Bps = parse_bandwidth(self.bandwidth)
         self.latency_s = parse_duration(self.latency)
+        self._free_at = {}
+        self.bytes_sent = 0
+        self.busy_s = 0.0
 
     def send(self, src: str, dst: str, nbytes: int, now: float) -> float:
         """Put ``nbytes`` on the ``src -> dst`` link at ``now``; returns when they have all arrived."""
