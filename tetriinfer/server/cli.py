@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from tetriinfer.net import url_host
+from tetriinfer.net import bind_listener, url_host
 from tetriinfer.runtime.cluster_config import MODES, ClusterConfig
 from tetriinfer.runtime.predictor_hook import PREDICTOR_MODES
 
@@ -361,10 +362,8 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _listen(host: str, port: int) -> Any:
+def _listen(host: str, port: int) -> socket.socket:
     """The API's listening socket; a port that cannot be bound is a clear error (exit 2), not a traceback."""
-    from tetriinfer.net import bind_listener
-
     try:
         return bind_listener(host, port)
     except OSError as exc:
